@@ -1,0 +1,1 @@
+"""CPU adapter and the torch-native SGLang out-of-tree platform."""

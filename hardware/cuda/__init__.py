@@ -1,0 +1,1 @@
+"""NVIDIA CUDA adapter."""

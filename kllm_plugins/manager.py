@@ -1,0 +1,126 @@
+"""Layer: host core (no SGLang import). Finds plugins, parses the selection, builds configs.
+
+Plugins come from the `kllm_plugins` entry-point group (built-in ones are declared there too).
+The manager rejects misspelled hook implementations (`check_pending`), unknown plugin names
+and bad option values with one-line `KllmConfigError`s that name the valid choices.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from typing import Any, Iterable, Mapping
+
+import pluggy
+
+from kllm_plugins import hookspecs
+from kllm_plugins.errors import KllmConfigError
+from kllm_plugins.options import resolve_options
+from kllm_plugins.spec import PluginSpec
+
+logger = logging.getLogger("kllm.manager")
+
+ENTRY_POINT_GROUP = "kllm_plugins"
+ENV_SELECTION = "KLLM_PLUGINS"
+
+
+@dataclass(frozen=True)
+class EnabledPlugin:
+    spec: PluginSpec
+    config: Any
+
+
+class KllmPluginManager:
+    """Owns the pluggy manager and the declared specs of every available plugin."""
+
+    def __init__(self, extra_plugins: Iterable[tuple[str, object]] = (), load_entry_points: bool = True) -> None:
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self.pm.add_hookspecs(hookspecs)
+        if load_entry_points:
+            for ep in entry_points(group=ENTRY_POINT_GROUP):
+                if self.pm.get_plugin(ep.name) is None:
+                    self.pm.register(ep.load(), name=ep.name)
+        for name, obj in extra_plugins:
+            self.pm.register(obj, name=name)
+        try:
+            self.pm.check_pending()
+        except pluggy.PluginValidationError as exc:
+            raise KllmConfigError(f"kllm: invalid plugin implementation: {exc}") from None
+        self.specs: dict[str, PluginSpec] = {}
+        self._objects_by_name: dict[str, object] = {}
+        for plugin in self.pm.get_plugins():
+            impl = getattr(plugin, "kllm_declare", None)
+            if impl is None:
+                continue
+            spec = impl()
+            if not isinstance(spec, PluginSpec):
+                raise KllmConfigError(
+                    f"kllm: plugin {self.pm.get_name(plugin)!r} kllm_declare() returned {type(spec).__name__}, not PluginSpec"
+                )
+            if spec.name in self.specs:
+                raise KllmConfigError(f"kllm: two plugins declare the name {spec.name!r}")
+            self.specs[spec.name] = spec
+            self._objects_by_name[spec.name] = plugin
+
+    def names(self) -> list[str]:
+        return sorted(self.specs)
+
+    def parse_selection(self, values: Iterable[str] | str | None) -> list[str]:
+        """Turn `--enable-plugin a,b --enable-plugin c` or "a,b" into a checked, ordered list."""
+        if values is None:
+            return []
+        if isinstance(values, str):
+            values = [values]
+        out: list[str] = []
+        for value in values:
+            for name in str(value).split(","):
+                name = name.strip().replace("-", "_")
+                if not name:
+                    continue
+                if name not in self.specs:
+                    raise KllmConfigError(
+                        f"kllm: unknown plugin {name!r}; valid choices: {', '.join(self.names()) or '(none installed)'}"
+                    )
+                if name not in out:
+                    out.append(name)
+        return out
+
+    def selection_from_env(self, environ: Mapping[str, str] = os.environ) -> list[str]:
+        return self.parse_selection(environ.get(ENV_SELECTION, ""))
+
+    def build(
+        self,
+        selection: list[str],
+        cli_values: Mapping[str, Any] | None = None,
+        environ: Mapping[str, str] = os.environ,
+        yaml_values: Mapping[str, Any] | None = None,
+    ) -> list[EnabledPlugin]:
+        """Build each selected plugin's config (CLI > environment > YAML > default) and cross-validate."""
+        enabled: list[EnabledPlugin] = []
+        for name in selection:
+            spec = self.specs[name]
+            values = resolve_options(spec, cli_values or {}, environ, (yaml_values or {}).get(name) or {})
+            config: Any = values
+            if spec.config_factory is not None:
+                try:
+                    config = spec.config_factory(**values)
+                except (TypeError, ValueError) as exc:
+                    raise KllmConfigError(f"kllm: plugin {name!r}: {exc}") from None
+            enabled.append(EnabledPlugin(spec, config))
+        for ep in enabled:
+            obj = self._objects_by_name[ep.spec.name]
+            validate = getattr(obj, "kllm_validate", None)
+            if validate is not None:
+                try:
+                    validate(config=ep.config, enabled=list(selection))
+                except ValueError as exc:
+                    raise KllmConfigError(f"kllm: plugin {ep.spec.name!r}: {exc}") from None
+        return enabled
+
+    def activate(self, enabled: list[EnabledPlugin], role: str) -> None:
+        for ep in enabled:
+            obj = self._objects_by_name[ep.spec.name]
+            fn = getattr(obj, "kllm_activate", None)
+            if fn is not None:
+                fn(config=ep.config, role=role)

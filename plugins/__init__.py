@@ -1,0 +1,1 @@
+"""Capability plugins of kllm-plugins, one sub-package each (installed as kllm_plugins.plugins)."""

@@ -1,0 +1,18 @@
+"""Layer: plugin config (no SGLang import). Options of the trace plugin."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TraceConfig:
+    log_interval_s: float = 10.0
+    """Seconds between INFO summary lines from the scheduler (0 disables them)."""
+    publish_interval_s: float = 0.2
+    """Seconds between snapshots written for the /kllm/stats endpoint."""
+
+    def __post_init__(self) -> None:
+        if self.log_interval_s < 0:
+            raise ValueError(f"log_interval_s must be >= 0, got {self.log_interval_s}")
+        if not 0 < self.publish_interval_s <= 60:
+            raise ValueError(f"publish_interval_s must be in (0, 60], got {self.publish_interval_s}")

@@ -1,0 +1,65 @@
+"""Layer: SGLang adapter of the trace plugin. The only module of the plugin that touches SGLang objects."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+from kllm_plugins import metrics, runtime
+from kllm_plugins.plugins.trace.counters import SchedulerCounters
+from kllm_plugins.stats import StatsWriter
+
+logger = logging.getLogger("kllm.trace")
+
+
+class _Tracer:
+    def __init__(self) -> None:
+        cfg = runtime.config_of("trace")
+        self.counters = SchedulerCounters()
+        self.writer = StatsWriter("trace", cfg.publish_interval_s)
+        self.log_interval_s = cfg.log_interval_s
+        self._last_log = time.monotonic()
+        self._m_passes = metrics.counter("kllm_trace_scheduler_passes_total", "Scheduler batch-selection passes")
+        self._m_chunks = metrics.counter("kllm_trace_prefill_chunks_total", "Prefill chunks (request x extend batch)")
+        self._m_decode = metrics.counter("kllm_trace_decode_steps_total", "Decode batches run")
+
+    def observe(self, batch: Any) -> None:
+        kind, num_reqs, new_tokens = _describe(batch)
+        self.counters.observe(kind, num_reqs, new_tokens)
+        self._m_passes.inc()
+        if kind == "prefill":
+            self._m_chunks.inc(num_reqs)
+        elif kind == "decode":
+            self._m_decode.inc()
+        snap = self.counters.snapshot()
+        # Busy passes publish at most every interval; the first idle pass flushes what is pending.
+        self.writer.update(snap, changed=kind is not None)
+        now = time.monotonic()
+        if self.log_interval_s and kind is not None and now - self._last_log >= self.log_interval_s:
+            self._last_log = now
+            logger.info("kllm trace: %s", snap)
+
+
+def _describe(batch: Any) -> tuple[str | None, int, int]:
+    if batch is None:
+        return None, 0, 0
+    mode = getattr(batch, "forward_mode", None)
+    reqs = getattr(batch, "reqs", None) or []
+    if mode is not None and mode.is_decode():
+        return "decode", len(reqs), len(reqs)
+    if mode is not None and mode.is_extend():
+        lens = getattr(batch, "extend_lens", None) or []
+        return "prefill", len(reqs), int(sum(lens))
+    return None, 0, 0
+
+
+_tracer: _Tracer | None = None
+
+
+def around_get_next_batch_to_run(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
+    global _tracer
+    plan = original(self, *args, **kwargs)
+    if _tracer is None:
+        _tracer = _Tracer()
+    _tracer.observe(getattr(plan, "batch_to_run", plan))
+    return plan
