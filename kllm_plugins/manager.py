@@ -6,6 +6,7 @@ and bad option values with one-line `KllmConfigError`s that name the valid choic
 """
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ logger = logging.getLogger("kllm.manager")
 
 ENTRY_POINT_GROUP = "kllm_plugins"
 ENV_SELECTION = "KLLM_PLUGINS"
+ENV_EXTRA = "KLLM_EXTRA_PLUGINS"
+"""Comma-separated importable modules registered as plugins without packaging (tests, prototypes)."""
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,12 @@ class KllmPluginManager:
             for ep in entry_points(group=ENTRY_POINT_GROUP):
                 if self.pm.get_plugin(ep.name) is None:
                     self.pm.register(ep.load(), name=ep.name)
+        for module in filter(None, (m.strip() for m in os.environ.get(ENV_EXTRA, "").split(","))):
+            if self.pm.get_plugin(module) is None:
+                try:
+                    self.pm.register(importlib.import_module(module), name=module)
+                except ImportError as exc:
+                    raise KllmConfigError(f"kllm: cannot import {ENV_EXTRA} module {module!r}: {exc}") from None
         for name, obj in extra_plugins:
             self.pm.register(obj, name=name)
         try:

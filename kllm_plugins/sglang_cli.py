@@ -10,6 +10,8 @@ import argparse
 import os
 from typing import Any, Callable
 
+import kllm_plugins
+from kllm_plugins import runtime, stats
 from kllm_plugins.errors import KllmConfigError
 from kllm_plugins.manager import ENV_SELECTION
 from kllm_plugins.options import ENV_CONFIG_FILE, cli_dest, cli_flag, convert, env_name
@@ -83,6 +85,36 @@ def around_from_cli_args(original: Callable[..., Any], cls: Any, args: argparse.
         h.enable(selection, cli_values)
     except KllmConfigError as exc:
         raise SystemExit(f"error: {str(exc).removeprefix('kllm: ')}") from None
+    runtime.run_dir()  # sets KLLM_RUN_DIR before SGLang spawns its children
+    install_http_routes()
     # Bookkeeping attribute (not a msgspec field): pickled with the record into subprocesses.
     server_args._kllm_plugins = list(selection)
     return server_args
+
+
+def install_http_routes() -> None:
+    """Add GET /kllm/stats and GET /kllm/plugins to SGLang's FastAPI app (launcher only)."""
+    from sglang.srt.entrypoints import http_server
+
+    app = http_server.app
+    if any(getattr(route, "path", None) == "/kllm/stats" for route in app.routes):
+        return
+
+    async def kllm_stats() -> dict[str, Any]:
+        return stats.read_all()
+
+    async def kllm_plugins_info() -> dict[str, Any]:
+        h = _host()
+        return {
+            "version": kllm_plugins.__version__,
+            "enabled": list(h.enabled),
+            "available": h.manager.names(),
+            "hooks": [
+                {"plugin": r.plugin, "target": r.target, "kind": r.kind, "ok": r.ok, "reason": r.reason}
+                for rep in h.reports
+                for r in rep.results
+            ],
+        }
+
+    app.add_api_route("/kllm/stats", kllm_stats, methods=["GET"])
+    app.add_api_route("/kllm/plugins", kllm_plugins_info, methods=["GET"])

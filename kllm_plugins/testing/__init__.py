@@ -1,0 +1,1 @@
+"""Test support shipped with the package: launching real SGLang servers on this machine."""

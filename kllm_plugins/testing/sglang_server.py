@@ -1,0 +1,148 @@
+"""Layer: test and demo tooling (no SGLang import). Launch a real `sglang.launch_server`.
+
+`SGLangServer` starts the server in its own process group on a free loopback port, waits for
+/health, and on exit stops the whole group (SGLang spawns scheduler and detokenizer children).
+The log goes to a file; `log_tail()` and `grep_log()` read it without printing the huge
+server_args line.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerStartError(RuntimeError):
+    pass
+
+
+class SGLangServer:
+    """Context manager: a real SGLang server on the kllm CPU platform (by default)."""
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike[str],
+        plugins: Sequence[str] = (),
+        extra_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        cpu_platform: bool = True,
+        strict: bool = True,
+        max_total_tokens: int = 8192,
+        startup_timeout_s: float = 180.0,
+        log_path: str | None = None,
+    ) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.args = [
+            sys.executable, "-m", "sglang.launch_server",
+            "--model-path", str(model_path),
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--max-total-tokens", str(max_total_tokens),
+            "--sleep-on-idle",
+        ]
+        if plugins:
+            self.args += ["--enable-plugin", ",".join(plugins)]
+        self.args += list(extra_args)
+        self.env = dict(os.environ)
+        self.env.pop("SGLANG_USE_CPU_ENGINE", None)
+        if cpu_platform:
+            self.env["SGLANG_PLATFORM"] = "kllm_cpu"
+        if strict:
+            self.env["KLLM_STRICT"] = "1"
+        self.env.setdefault("PYTHONUNBUFFERED", "1")
+        self.env["KLLM_RUN_DIR"] = tempfile.mkdtemp(prefix="kllm-run-")
+        self.env.update(env or {})
+        self.startup_timeout_s = startup_timeout_s
+        self.log_path = Path(log_path or tempfile.mkstemp(prefix="sglang-", suffix=".log")[1])
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> "SGLangServer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            self.args, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+        )
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerStartError(
+                    f"sglang.launch_server exited with {self.proc.returncode}:\n{self.log_tail(40)}"
+                )
+            try:
+                with urllib.request.urlopen(f"{self.base_url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise ServerStartError(f"server not healthy within {self.startup_timeout_s}s:\n{self.log_tail(40)}")
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=20)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.proc.wait(timeout=10)
+        self.proc = None
+
+    # -- reading the log ---------------------------------------------------------------
+    def log_text(self) -> str:
+        text = self.log_path.read_text(errors="replace")
+        return "\n".join(line if len(line) < 2000 else line[:200] + " …[cut]" for line in text.splitlines())
+
+    def log_tail(self, n: int = 20) -> str:
+        return "\n".join(self.log_text().splitlines()[-n:])
+
+    def grep_log(self, pattern: str) -> list[str]:
+        rx = re.compile(pattern)
+        return [line for line in self.log_text().splitlines() if rx.search(line)]
+
+    # -- HTTP helpers ------------------------------------------------------------------
+    def get_json(self, path: str, timeout: float = 30) -> Any:
+        with urllib.request.urlopen(f"{self.base_url}{path}", timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def post_json(self, path: str, body: Mapping[str, Any], timeout: float = 120) -> Any:
+        req = urllib.request.Request(
+            f"{self.base_url}{path}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def generate(self, text: str | None = None, input_ids: list[int] | None = None, max_new_tokens: int = 8, **params: Any) -> Any:
+        body: dict[str, Any] = {"sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, **params}}
+        if input_ids is not None:
+            body["input_ids"] = input_ids
+        else:
+            body["text"] = text
+        return self.post_json("/generate", body)

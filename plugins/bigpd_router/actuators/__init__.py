@@ -1,0 +1,1 @@
+"""Layer: actuators (no SGLang import). Ways the scaling controller adds and removes instances."""

@@ -1,0 +1,128 @@
+"""Layer: actuator (no SGLang import; it runs SGLang as a child process). Local-process actuator.
+
+Starts `python -m sglang.launch_server` on a free port of this machine for each instance the
+controller adds, in its own process group so stopping it takes its scheduler and detokenizer
+children too, and stops it (SIGTERM, then SIGKILL after a grace period) when removed.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+from kllm_plugins.plugins.bigpd_router.core.registry import Role
+
+log = logging.getLogger("kllm.bigpd_router.local_process")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class LocalProcessActuator:
+    model_path: str
+    common_args: Sequence[str] = ()
+    """Arguments for every instance (e.g. --max-total-tokens 4096 --sleep-on-idle)."""
+    role_args: Mapping[Role, Sequence[str]] = field(default_factory=dict)
+    """Extra arguments per role (e.g. --disaggregation-mode prefill)."""
+    env: Mapping[str, str] = field(default_factory=dict)
+    host: str = "127.0.0.1"
+    log_dir: str | None = None
+    stop_grace_s: float = 10.0
+    python: str = sys.executable
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    bootstrap_ports: dict[str, int] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def command(self, role: Role, port: int, bootstrap_port: int | None) -> list[str]:
+        cmd = [self.python, "-m", "sglang.launch_server", "--model-path", self.model_path,
+               "--host", self.host, "--port", str(port), *self.common_args, *self.role_args.get(role, ())]
+        if bootstrap_port is not None:
+            cmd += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
+        return cmd
+
+    def add(self, role: Role) -> str:
+        port = free_port(self.host)
+        boot = free_port(self.host) if role is Role.PREFILL else None
+        cmd = self.command(role, port, boot)
+        url = f"http://{self.host}:{port}"
+        out = subprocess.DEVNULL
+        if self.log_dir:
+            os.makedirs(self.log_dir, exist_ok=True)
+            out = open(os.path.join(self.log_dir, f"sglang-{role.value}-{port}.log"), "wb")  # noqa: SIM115
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
+                                start_new_session=True)
+        if out is not subprocess.DEVNULL:
+            out.close()  # the child holds its own descriptor
+        with self._lock:
+            self.procs[url] = proc
+            if boot is not None:
+                self.bootstrap_ports[url] = boot
+        log.info("started instance role=%s url=%s pid=%d cmd=%s", role.value, url, proc.pid,
+                 shlex.join(cmd[:6]) + " ...")
+        return url
+
+    def remove(self, url: str, role: Role | None = None) -> None:
+        with self._lock:
+            proc = self.procs.pop(url, None)
+            self.bootstrap_ports.pop(url, None)
+        if proc is None:
+            return
+        _stop_group(proc, self.stop_grace_s)
+        log.info("stopped instance url=%s rc=%s", url, proc.returncode)
+
+    def alive(self, url: str) -> bool:
+        proc = self.procs.get(url)
+        return proc is not None and proc.poll() is None
+
+    def wait_ready(self, url: str, timeout_s: float = 120.0) -> None:
+        """Block until GET /health answers 200 (raises TimeoutError, or RuntimeError if it died)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.alive(url):
+                raise RuntimeError(f"instance {url} exited during start-up")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"instance {url} not healthy after {timeout_s}s")
+
+    def stop_all(self) -> None:
+        for url in list(self.procs):
+            self.remove(url)
+
+
+def _stop_group(proc: subprocess.Popen[bytes], grace_s: float) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=10)
+    else:
+        # the leader is gone; make sure no child of the group survived it
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -1,0 +1,87 @@
+"""Layer: plugin config (no SGLang import). Options of the bigpd_router service."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+POLICIES = ("slo_affinity", "round_robin", "least_load")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    ttft_target_s: float = 1.0
+    """TTFT SLO target (seconds); Load_P = max(TTFT_pred, TTFT_actual) / ttft_target_s."""
+    tpot_target_s: float = 0.1
+    """TPOT SLO target (seconds per output token); Load_D likewise with TPOT."""
+    policy: str = "slo_affinity"
+    """Instance choice: slo_affinity (prefix affinity balanced against SLO Load), round_robin, least_load."""
+    affinity_weight: float = 1.0
+    """How many units of Load one fully matched prefix is worth when picking a prefill instance."""
+    affinity_block_chars: int = 64
+    """Granularity (characters of the prompt) of the router's approximate prefix tree."""
+    affinity_max_blocks: int = 200_000
+    """Blocks kept in the approximate prefix tree before least-recently-used leaves are evicted."""
+    request_timeout_s: float = 300.0
+    """Whole-request timeout toward an instance."""
+    first_token_timeout_s: float = 60.0
+    """Time allowed until the first byte of the answer before the request is retried elsewhere."""
+    max_retries: int = 1
+    """Retries on another instance when one fails before the first token."""
+    max_body_bytes: int = 8 * 1024 * 1024
+    """Largest accepted request body; larger ones get HTTP 413."""
+    health_interval_s: float = 2.0
+    """Seconds between active health checks of each instance."""
+    health_failures: int = 2
+    """Consecutive failed checks (or failed requests) before an instance is marked unhealthy."""
+    loads_interval_s: float = 1.0
+    """Seconds between polls of each instance's /v1/loads (0 disables polling)."""
+    scale_interval_s: float = 5.0
+    """Seconds between scaling-controller decisions (0 disables the controller)."""
+    scale_up_load: float = 0.9
+    """Scale a pool up when its SLO Load stays above this for scale_up_sustain_s."""
+    scale_down_load: float = 0.4
+    """Scale a pool down when its SLO Load (as it would be with one instance fewer) stays below this."""
+    scale_up_sustain_s: float = 10.0
+    """How long Load must stay above scale_up_load before adding an instance."""
+    scale_down_sustain_s: float = 60.0
+    """How long Load must stay below scale_down_load before removing an instance."""
+    scale_cooldown_s: float = 30.0
+    """Minimum time between two scaling actions on the same pool."""
+    min_instances: int = 1
+    """Never scale a pool below this many instances."""
+    max_instances: int = 4
+    """Never scale a pool above this many instances."""
+    drain_timeout_s: float = 120.0
+    """Longest wait for in-flight requests on an instance being removed."""
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_target_s", "tpot_target_s", "request_timeout_s", "first_token_timeout_s",
+                     "health_interval_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("loads_interval_s", "scale_interval_s", "scale_up_sustain_s", "scale_down_sustain_s",
+                     "scale_cooldown_s", "drain_timeout_s", "affinity_weight"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.affinity_block_chars < 1:
+            raise ValueError(f"affinity_block_chars must be >= 1, got {self.affinity_block_chars}")
+        if self.affinity_max_blocks < 1:
+            raise ValueError(f"affinity_max_blocks must be >= 1, got {self.affinity_max_blocks}")
+        if self.max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.health_failures < 1:
+            raise ValueError(f"health_failures must be >= 1, got {self.health_failures}")
+        if not 0 <= self.scale_down_load < self.scale_up_load:
+            raise ValueError(
+                f"scale_down_load must be in [0, scale_up_load), got {self.scale_down_load} "
+                f"(scale_up_load={self.scale_up_load})"
+            )
+        if self.min_instances < 0:
+            raise ValueError(f"min_instances must be >= 0, got {self.min_instances}")
+        if self.max_instances < max(1, self.min_instances):
+            raise ValueError(
+                f"max_instances must be >= max(1, min_instances), got {self.max_instances}"
+            )

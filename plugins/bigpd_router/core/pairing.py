@@ -1,0 +1,113 @@
+"""Layer: core (no SGLang import). Per-request choice of instances.
+
+Plain mode picks one instance; PD mode picks a prefill instance and a decode instance
+independently for every request (no fixed groups):
+- prefill (and plain): the predicted TTFT if the request went there, where the prompt tokens the
+  instance probably already caches (approximate prefix tree) do not count. Cache affinity and
+  load are therefore weighed in the same unit, seconds against the TTFT target.
+- decode: predicted TPOT with one more request against the TPOT target, plus a penalty when the
+  instance is short of free KV, plus a small transfer cost when it is on another host than the
+  prefill instance.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass
+from typing import Sequence
+from urllib.parse import urlsplit
+
+from kllm_plugins.plugins.bigpd_router.core.prefix_tree import Prompt, PrefixTree
+from kllm_plugins.plugins.bigpd_router.core.registry import Instance
+from kllm_plugins.plugins.bigpd_router.core.slo_load import backlog_tokens, tpot_pred
+
+KV_LOW_FREE = 0.1
+KV_PENALTY = 1.0
+REMOTE_TRANSFER_COST = 0.05
+
+
+class NoInstance(RuntimeError):
+    """No routable instance of the wanted role is left to try."""
+
+
+@dataclass(frozen=True)
+class PrefillChoice:
+    instance: Instance
+    matched_blocks: int
+    total_blocks: int
+    score: float
+
+
+def _host(url: str) -> str:
+    return urlsplit(url).hostname or ""
+
+
+class Picker:
+    def __init__(self, policy: str, tree: PrefixTree, ttft_target_s: float, tpot_target_s: float,
+                 affinity_weight: float = 1.0) -> None:
+        self.policy = policy
+        self.tree = tree
+        self.ttft_target_s = ttft_target_s
+        self.tpot_target_s = tpot_target_s
+        self.affinity_weight = affinity_weight
+        self._rr = itertools.count()
+        self._lock = threading.Lock()
+
+    def _round_robin(self, cands: Sequence[Instance]) -> Instance:
+        with self._lock:
+            i = next(self._rr)
+        return sorted(cands, key=lambda c: c.url)[i % len(cands)]
+
+    def prefill_score(self, inst: Instance, prompt_tokens: int, matched_frac: float) -> float:
+        """Predicted TTFT on `inst` / TTFT target, with the probably-cached part of the prompt free."""
+        cached = min(1.0, self.affinity_weight * matched_frac)
+        work = backlog_tokens(inst) + prompt_tokens * (1.0 - cached)
+        return work / max(inst.prefill_rate.value, 1e-6) / self.ttft_target_s
+
+    def pick_prefill(self, cands: Sequence[Instance], prompt: Prompt, prompt_tokens: int,
+                     exclude: frozenset[str] = frozenset()) -> PrefillChoice:
+        cands = [c for c in cands if c.routable and c.url not in exclude]
+        if not cands:
+            raise NoInstance("no routable prefill/plain instance")
+        total = self.tree.blocks_of(prompt)
+        if self.policy == "round_robin":
+            inst = self._round_robin(cands)
+            return PrefillChoice(inst, 0, total, 0.0)
+        matches = self.tree.match(prompt) if self.policy == "slo_affinity" and total else {}
+        best: tuple[float, int, int, str] | None = None
+        chosen: Instance | None = None
+        for c in cands:
+            m = matches.get(c.url, 0)
+            score = self.prefill_score(c, prompt_tokens, m / total if total else 0.0)
+            key = (score, c.in_flight, -m, c.url)
+            if best is None or key < best:
+                best, chosen = key, c
+        assert chosen is not None and best is not None
+        if best[1] == 0 and best[2] == 0 and self.policy == "least_load":
+            # several idle instances tie: spread instead of always taking the first url
+            idle = [c for c in cands if c.in_flight == 0 and self.prefill_score(c, prompt_tokens, 0.0) <= best[0]]
+            if len(idle) > 1:
+                chosen = self._round_robin(idle)
+        return PrefillChoice(chosen, matches.get(chosen.url, 0), total, best[0])
+
+    def decode_score(self, inst: Instance, prefill: Instance | None) -> float:
+        score = tpot_pred(inst) / self.tpot_target_s
+        if inst.free_kv_fraction() < KV_LOW_FREE:
+            score += KV_PENALTY
+        if prefill is not None and _host(prefill.url) != _host(inst.url):
+            score += REMOTE_TRANSFER_COST
+        return score
+
+    def pick_decode(self, cands: Sequence[Instance], prefill: Instance | None,
+                    exclude: frozenset[str] = frozenset()) -> Instance:
+        cands = [c for c in cands if c.routable and c.url not in exclude]
+        if not cands:
+            raise NoInstance("no routable decode instance")
+        if self.policy == "round_robin":
+            return self._round_robin(cands)
+        return min(cands, key=lambda c: (self.decode_score(c, prefill), c.in_flight, c.url))
+
+    def routed(self, prompt: Prompt, inst: Instance) -> None:
+        """Remember that `prompt` went to `inst` (affinity for later requests)."""
+        if self.policy == "slo_affinity":
+            self.tree.insert(prompt, inst.url)

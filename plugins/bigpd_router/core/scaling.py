@@ -1,0 +1,170 @@
+"""Layer: core (no SGLang import). Scaling controller: one independent decision per pool.
+
+Each pool (prefill, decode, or plain) is scaled on its own SLO Load:
+- up when Load has stayed above `up_load` for `up_sustain_s` (or the pool is below its minimum);
+- down when the Load the pool *would* have with one instance fewer has stayed below `down_load`
+  for `down_sustain_s`, so removing one does not immediately push it back over the top;
+- never twice within `cooldown_s` on the same pool, never outside [min, max], and instances that
+  are still starting count toward the size so a slow start does not trigger a second one.
+A removal drains first: the instance stops getting traffic, and it is stopped once its
+in-flight requests are done or the drain times out.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+from kllm_plugins.plugins.bigpd_router.core.registry import Health, Instance, Registry, Role
+from kllm_plugins.plugins.bigpd_router.core.slo_load import PoolLoad
+
+log = logging.getLogger("kllm.bigpd_router.scaling")
+
+
+class Actuator(Protocol):
+    """What the controller needs from the thing that really starts and stops instances."""
+
+    def add(self, role: Role) -> str | None:
+        """Start one instance of `role`. Return its URL when known now (it joins as STARTING)."""
+
+    def remove(self, url: str, role: Role) -> None:
+        """Stop the (drained) instance at `url`."""
+
+
+@dataclass(frozen=True)
+class ScalePolicy:
+    up_load: float = 0.9
+    down_load: float = 0.4
+    up_sustain_s: float = 10.0
+    down_sustain_s: float = 60.0
+    cooldown_s: float = 30.0
+    min_instances: int = 1
+    max_instances: int = 4
+    drain_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.down_load < self.up_load:
+            raise ValueError(f"down_load must be in [0, up_load), got {self.down_load}")
+        if self.min_instances < 0 or self.max_instances < max(1, self.min_instances):
+            raise ValueError(f"need 0 <= min_instances <= max_instances, got {self.min_instances}, {self.max_instances}")
+
+
+@dataclass(frozen=True)
+class Decision:
+    role: Role
+    action: str  # "up", "down" or "hold"
+    reason: str
+    load: float
+    size: int
+
+
+@dataclass
+class _PoolState:
+    above_since: float | None = None
+    below_since: float | None = None
+    last_action: float = -1e18
+    history: list[Decision] = field(default_factory=list)
+
+
+class PoolDecider:
+    """Pure decision logic for one pool; no I/O, a clock is passed in for tests."""
+
+    def __init__(self, role: Role, policy: ScalePolicy) -> None:
+        self.role = role
+        self.policy = policy
+        self.state = _PoolState()
+
+    def decide(self, load: PoolLoad, size: int, now: float) -> Decision:
+        p, st = self.policy, self.state
+        cur = load.load
+        after_down = load.load_with(size - 1)
+        st.above_since = (st.above_since if st.above_since is not None else now) if cur > p.up_load else None
+        st.below_since = (st.below_since if st.below_since is not None else now) if after_down < p.down_load else None
+        cooling = now - st.last_action < p.cooldown_s
+
+        def out(action: str, reason: str) -> Decision:
+            d = Decision(self.role, action, reason, cur, size)
+            if action != "hold":
+                st.last_action = now
+                st.above_since = st.below_since = None
+            return d
+
+        if size < p.min_instances:
+            return out("up", f"size {size} below minimum {p.min_instances}")
+        if size > p.max_instances:
+            return out("down", f"size {size} above maximum {p.max_instances}")
+        if cooling:
+            return out("hold", "cool-down")
+        if st.above_since is not None and now - st.above_since >= p.up_sustain_s:
+            if size >= p.max_instances:
+                return out("hold", f"load {cur:.2f} high but at maximum {p.max_instances}")
+            return out("up", f"load {cur:.2f} > {p.up_load} for {now - st.above_since:.0f}s")
+        if st.below_since is not None and now - st.below_since >= p.down_sustain_s and size > p.min_instances:
+            return out("down", f"load with {size - 1} would be {after_down:.2f} < {p.down_load}")
+        return out("hold", f"load {cur:.2f}")
+
+
+class ScalingController:
+    """Runs the deciders against the registry and carries decisions out through an actuator."""
+
+    def __init__(self, registry: Registry, actuator: Actuator, policy: ScalePolicy,
+                 pool_load: Callable[[Role], PoolLoad], roles: tuple[Role, ...],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.registry = registry
+        self.actuator = actuator
+        self.policy = policy
+        self.pool_load = pool_load
+        self.deciders = {r: PoolDecider(r, policy) for r in roles}
+        self.clock = clock
+        self.decisions: list[Decision] = []
+
+    def size(self, role: Role) -> int:
+        """Members counted for scaling: healthy and starting ones, not draining or dead ones."""
+        return sum(1 for i in self.registry.pool(role) if i.health in (Health.HEALTHY, Health.STARTING))
+
+    def finish_drains(self) -> list[str]:
+        """Stop drained instances whose in-flight work is done (or whose drain timed out)."""
+        now = self.clock()
+        stopped = []
+        for inst in list(self.registry):
+            if inst.health is not Health.DRAINING or inst.drain_started is None:
+                continue
+            timed_out = now - inst.drain_started >= self.policy.drain_timeout_s
+            if inst.in_flight == 0 or timed_out:
+                if timed_out and inst.in_flight:
+                    log.warning("drain timed out url=%s in_flight=%d", inst.url, inst.in_flight)
+                self.registry.remove(inst.url)
+                if inst.managed:
+                    self.actuator.remove(inst.url, inst.role)
+                stopped.append(inst.url)
+        return stopped
+
+    def pick_victim(self, role: Role) -> Instance | None:
+        members = [i for i in self.registry.pool(role) if i.health in (Health.HEALTHY, Health.STARTING)]
+        managed = [i for i in members if i.managed]
+        cands = managed or members
+        if not cands:
+            return None
+        # unhealthy/starting first, then the least busy, newest last-in first-out on ties
+        return min(cands, key=lambda i: (i.health is Health.HEALTHY, i.in_flight, -i.joined_at))
+
+    def step(self) -> list[Decision]:
+        self.finish_drains()
+        now = self.clock()
+        made = []
+        for role, decider in self.deciders.items():
+            d = decider.decide(self.pool_load(role), self.size(role), now)
+            if d.action == "up":
+                url = self.actuator.add(role)
+                if url is not None and url not in self.registry:
+                    self.registry.add(Instance(url=url, role=role, managed=True))
+                log.info("scale up role=%s reason=%s url=%s", role.value, d.reason, url)
+            elif d.action == "down":
+                victim = self.pick_victim(role)
+                if victim is not None:
+                    self.registry.start_drain(victim.url)
+                    log.info("scale down role=%s reason=%s drain=%s", role.value, d.reason, victim.url)
+            made.append(d)
+        self.decisions.extend(d for d in made if d.action != "hold")
+        return made

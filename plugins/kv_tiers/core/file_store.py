@@ -1,0 +1,360 @@
+"""Layer: plugin core (no SGLang import). A bounded, checked, local file store for KV pages (L3).
+
+Pages are files named after their key inside a per-namespace folder. Writes go to a temporary
+file in the same folder and are published with `os.replace`, so a reader sees a whole page or
+none. Every page carries a checksummed header (`page_format`); a page that is corrupt,
+truncated, misplaced or written under another namespace is refused (a miss), counted by reason
+and, unless it belongs to another namespace, deleted. Capacity is bounded in bytes and enforced
+by evicting the least recently used pages before a write is admitted.
+
+The store never raises into its caller for I/O trouble: a missing or unwritable folder (store
+down or lost) turns every call into a miss or a refused write, and `stats.faults` says why.
+Thread-safe: HiCache calls it from its prefetch and backup threads at once.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable
+
+from kllm_plugins.plugins.kv_tiers.core.page_format import (
+    HEADER_SIZE,
+    PageError,
+    PageFault,
+    check_page,
+    decode_header,
+    digest16,
+    encode_header,
+)
+
+logger = logging.getLogger("kllm.kv_tiers")
+
+_SAFE_KEY = re.compile(r"^[A-Za-z0-9_.-]{1,160}$")
+SUFFIX = ".kvp"
+
+TransferObserver = Callable[[str, int, float], None]
+"""Called as (direction "read"|"write", bytes, seconds) after each successful page transfer."""
+KeyObserver = Callable[[str], None]
+
+
+@dataclass
+class StoreStats:
+    puts: int = 0
+    put_bytes: int = 0
+    put_refused: int = 0
+    gets: int = 0
+    hits: int = 0
+    hit_bytes: int = 0
+    misses: int = 0
+    evictions: int = 0
+    evicted_bytes: int = 0
+    faults: dict[str, int] = field(default_factory=dict)
+
+    def fault(self, reason: PageFault | str) -> None:
+        key = reason.value if isinstance(reason, PageFault) else reason
+        self.faults[key] = self.faults.get(key, 0) + 1
+
+    def snapshot(self) -> dict[str, object]:
+        out: dict[str, object] = dict(self.__dict__)
+        out["faults"] = dict(self.faults)
+        return out
+
+
+class FilePageStore:
+    """Bounded LRU page store on a local file system.
+
+    root:            folder shared by all namespaces (created when missing).
+    namespace:       identifies what a page is: model, KV layout, dtype, page shape, rank. Pages
+                     of other namespaces live in other subfolders and are refused if found here.
+    capacity_bytes:  upper bound on the bytes of pages (headers included) this store keeps.
+    fsync:           fsync each page before publishing it (durable across power loss, slower).
+    shared:          other processes may write the same folder; `exists` then also looks on disk
+                     for keys this process has not written.
+    """
+
+    def __init__(
+        self,
+        root: str,
+        namespace: str,
+        capacity_bytes: int,
+        *,
+        fsync: bool = False,
+        shared: bool = True,
+        on_transfer: TransferObserver | None = None,
+        on_store: KeyObserver | None = None,
+        on_remove: KeyObserver | None = None,
+    ) -> None:
+        if capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
+        self.root = root
+        self.namespace = namespace
+        self.ns_digest = digest16(namespace)
+        self.folder = os.path.join(root, self.ns_digest.hex()[:16])
+        self.capacity_bytes = capacity_bytes
+        self.fsync = fsync
+        self.shared = shared
+        self.on_transfer = on_transfer
+        self.on_store = on_store
+        self.on_remove = on_remove
+        self.stats = StoreStats()
+        self._lock = threading.Lock()
+        self._index: OrderedDict[str, int] = OrderedDict()  # key -> file bytes, LRU first
+        self._used = 0
+        self._reserved = 0
+        self._pending: set[str] = set()
+        self._scan()
+
+    # -- bookkeeping -------------------------------------------------------------------------
+
+    @property
+    def used_bytes(self) -> int:
+        with self._lock:
+            return self._used + self._reserved
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._index)
+
+    def keys(self) -> list[str]:
+        with self._lock:
+            return list(self._index)
+
+    def path_of(self, key: str) -> str:
+        name = key if _SAFE_KEY.match(key) else "h-" + digest16(key).hex()
+        return os.path.join(self.folder, name + SUFFIX)
+
+    def _scan(self) -> None:
+        """Adopt the pages a previous run left (oldest first) and drop stale temporaries."""
+        try:
+            os.makedirs(self.folder, exist_ok=True)
+            entries = []
+            with os.scandir(self.folder) as it:
+                for e in it:
+                    if e.name.startswith(".tmp-"):
+                        _unlink(e.path)
+                    elif e.name.endswith(SUFFIX) and not e.name.startswith("h-"):
+                        st = e.stat()
+                        entries.append((st.st_mtime, e.name[: -len(SUFFIX)], st.st_size))
+        except OSError as exc:
+            logger.warning("kv_tiers file store %s unavailable at start (%s): every lookup is a miss", self.folder, exc)
+            self.stats.fault(PageFault.IO_ERROR)
+            return
+        entries.sort()
+        with self._lock:
+            for _, key, size in entries:
+                self._index[key] = size
+                self._used += size
+            victims = self._evict_locked(0)
+        self._unlink_victims(victims)
+        if entries:
+            logger.info("kv_tiers file store %s: adopted %d pages (%d bytes)", self.folder, len(self._index), self._used)
+
+    def _evict_locked(self, need: int) -> list[tuple[str, int]]:
+        victims: list[tuple[str, int]] = []
+        while self._index and self._used + self._reserved + need > self.capacity_bytes:
+            key, size = self._index.popitem(last=False)
+            self._used -= size
+            victims.append((key, size))
+        return victims
+
+    def _unlink_victims(self, victims: list[tuple[str, int]]) -> None:
+        for key, size in victims:
+            _unlink(self.path_of(key))
+            self.stats.evictions += 1
+            self.stats.evicted_bytes += size
+            if self.on_remove is not None:
+                self.on_remove(key)
+
+    def _forget(self, key: str, delete: bool) -> None:
+        with self._lock:
+            size = self._index.pop(key, None)
+            if size is not None:
+                self._used -= size
+        if delete:
+            _unlink(self.path_of(key))
+        if size is not None and self.on_remove is not None:
+            self.on_remove(key)
+
+    # -- API ---------------------------------------------------------------------------------
+
+    def exists(self, key: str) -> bool:
+        with self._lock:
+            if key in self._index:
+                return True
+        if not self.shared:
+            return False
+        try:
+            size = os.stat(self.path_of(key)).st_size
+        except OSError:
+            return False
+        with self._lock:
+            if key not in self._index:
+                victims = self._evict_locked(size)
+                self._index[key] = size
+                self._used += size
+            else:
+                victims = []
+        self._unlink_victims(victims)
+        return True
+
+    def prefix_hits(self, keys: list[str]) -> int:
+        """Number of leading keys present (presence only; content is checked on read)."""
+        for i, key in enumerate(keys):
+            if not self.exists(key):
+                return i
+        return len(keys)
+
+    def put(self, key: str, payload: bytes | memoryview) -> bool:
+        """Store a page; True when the page is (now or already) in the store."""
+        size = HEADER_SIZE + len(payload)
+        with self._lock:
+            if key in self._index:
+                self._index.move_to_end(key)
+                return True
+            if key in self._pending:
+                return False
+            if size > self.capacity_bytes:
+                self.stats.put_refused += 1
+                self.stats.fault("too_large")
+                return False
+            victims = self._evict_locked(size)
+            self._reserved += size
+            self._pending.add(key)
+        self._unlink_victims(victims)
+        ok = False
+        t0 = time.perf_counter()
+        try:
+            ok = self._write(key, payload)
+        finally:
+            with self._lock:
+                self._reserved -= size
+                self._pending.discard(key)
+                if ok:
+                    self._index[key] = size
+                    self._used += size
+                    self.stats.puts += 1
+                    self.stats.put_bytes += len(payload)
+                else:
+                    self.stats.put_refused += 1
+        if ok:
+            if self.on_transfer is not None:
+                self.on_transfer("write", len(payload), time.perf_counter() - t0)
+            if self.on_store is not None:
+                self.on_store(key)
+        return ok
+
+    def _write(self, key: str, payload: bytes | memoryview) -> bool:
+        header = encode_header(self.ns_digest, key, payload)
+        tmp = os.path.join(self.folder, f".tmp-{uuid.uuid4().hex}")
+        for attempt in (0, 1):
+            try:
+                with open(tmp, "wb", buffering=0) as f:
+                    f.write(header)
+                    f.write(payload)
+                    if self.fsync:
+                        os.fsync(f.fileno())
+                os.replace(tmp, self.path_of(key))
+                return True
+            except FileNotFoundError:
+                # The folder vanished (store lost); recreate it once, then give up on this page.
+                _unlink(tmp)
+                if attempt == 0:
+                    try:
+                        os.makedirs(self.folder, exist_ok=True)
+                        logger.warning("kv_tiers file store %s was missing; recreated it", self.folder)
+                        continue
+                    except OSError:
+                        pass
+                self.stats.fault(PageFault.IO_ERROR)
+                return False
+            except OSError as exc:
+                _unlink(tmp)
+                self.stats.fault("write_error")
+                logger.warning("kv_tiers file store: write of %s failed (%s)", key, exc)
+                return False
+        return False
+
+    def get(self, key: str, expected_len: int | None = None) -> bytes | None:
+        """The page's payload, or None (a miss) when it is absent or refused."""
+        t0 = time.perf_counter()
+        self.stats.gets += 1
+        try:
+            with open(self.path_of(key), "rb") as f:
+                raw = f.read()
+            header = decode_header(raw)
+            payload = memoryview(raw)[HEADER_SIZE:]
+            check_page(header, self.ns_digest, key, payload, expected_len)
+            if len(payload) != header.payload_len:
+                raise PageError(PageFault.CORRUPT, "trailing bytes")
+        except (PageError, OSError) as exc:
+            self._refused(key, exc)
+            return None
+        self._served(key, header.payload_len, time.perf_counter() - t0)
+        return bytes(payload)
+
+    def get_into(self, key: str, out: memoryview) -> bool:
+        """Read the page into `out` (its exact size). False (a miss) when absent or refused;
+        `out` may then hold partial data and must not be used."""
+        t0 = time.perf_counter()
+        self.stats.gets += 1
+        try:
+            with open(self.path_of(key), "rb", buffering=0) as f:
+                header = decode_header(f.read(HEADER_SIZE))
+                if header.payload_len == len(out):
+                    got = f.readinto(out)
+                    if got != len(out):
+                        raise PageError(PageFault.TRUNCATED, f"payload has {got} of {len(out)} bytes")
+                    if f.read(1):
+                        raise PageError(PageFault.CORRUPT, "trailing bytes")
+            check_page(header, self.ns_digest, key, out, len(out))
+        except (PageError, OSError) as exc:
+            self._refused(key, exc)
+            return False
+        self._served(key, len(out), time.perf_counter() - t0)
+        return True
+
+    def remove(self, key: str) -> None:
+        self._forget(key, delete=True)
+
+    def clear(self) -> None:
+        for key in self.keys():
+            self._forget(key, delete=True)
+
+    # -- outcomes ----------------------------------------------------------------------------
+
+    def _served(self, key: str, nbytes: int, seconds: float) -> None:
+        with self._lock:
+            if key in self._index:
+                self._index.move_to_end(key)
+            self.stats.hits += 1
+            self.stats.hit_bytes += nbytes
+        if self.on_transfer is not None:
+            self.on_transfer("read", nbytes, seconds)
+
+    def _refused(self, key: str, exc: Exception) -> None:
+        self.stats.misses += 1
+        if isinstance(exc, FileNotFoundError):
+            self.stats.fault(PageFault.MISSING)
+            self._forget(key, delete=False)
+            return
+        if isinstance(exc, PageError):
+            fault = exc.fault
+        else:
+            fault = PageFault.IO_ERROR
+        self.stats.fault(fault)
+        logger.warning("kv_tiers file store: page %s refused (%s); recomputing it", key, exc)
+        # A foreign page belongs to someone else's namespace: leave the file, stop indexing it.
+        self._forget(key, delete=fault not in (PageFault.FOREIGN, PageFault.SIZE_MISMATCH, PageFault.IO_ERROR))
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
