@@ -25,7 +25,7 @@ logger = logging.getLogger("kllm.manager")
 ENTRY_POINT_GROUP = "kllm_plugins"
 ENV_SELECTION = "KLLM_PLUGINS"
 ENV_EXTRA = "KLLM_EXTRA_PLUGINS"
-"""Comma-separated importable modules registered as plugins without packaging (tests, prototypes)."""
+"""Comma-separated `module` or `module:attr` plugins registered without packaging (tests, prototypes)."""
 
 
 @dataclass(frozen=True)
@@ -44,12 +44,16 @@ class KllmPluginManager:
             for ep in entry_points(group=ENTRY_POINT_GROUP):
                 if self.pm.get_plugin(ep.name) is None:
                     self.pm.register(ep.load(), name=ep.name)
-        for module in filter(None, (m.strip() for m in os.environ.get(ENV_EXTRA, "").split(","))):
-            if self.pm.get_plugin(module) is None:
+        for ref in filter(None, (m.strip() for m in os.environ.get(ENV_EXTRA, "").split(","))):
+            if self.pm.get_plugin(ref) is None:
+                module, _, attr = ref.partition(":")
                 try:
-                    self.pm.register(importlib.import_module(module), name=module)
-                except ImportError as exc:
-                    raise KllmConfigError(f"kllm: cannot import {ENV_EXTRA} module {module!r}: {exc}") from None
+                    obj: object = importlib.import_module(module)
+                    for part in filter(None, attr.split(".")):
+                        obj = getattr(obj, part)
+                except (ImportError, AttributeError) as exc:
+                    raise KllmConfigError(f"kllm: cannot load {ENV_EXTRA} entry {ref!r}: {exc}") from None
+                self.pm.register(obj, name=ref)
         for name, obj in extra_plugins:
             self.pm.register(obj, name=name)
         try:

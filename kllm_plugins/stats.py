@@ -20,7 +20,7 @@ class StatsWriter:
         self.interval_s = interval_s
         self.path = os.path.join(run_dir or runtime.run_dir(), f"{plugin}.{os.getpid()}.json")
         self.dirty = False
-        self._last = 0.0
+        self._last = float("-inf")
         self.writes = 0
 
     def update(self, snapshot: dict[str, Any], changed: bool) -> None:

@@ -1,0 +1,72 @@
+"""Shared fixtures: offline models, SGLang availability, GPU skipping.
+
+Servers are owned by fixtures (module scope) and stopped by them; nothing global.
+"""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+HAS_SGLANG = importlib.util.find_spec("sglang") is not None
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _gpu_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # noqa: BLE001
+        return 0
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    no_gpu = pytest.mark.skip(reason="needs an NVIDIA GPU (none in CI)")
+    no_multi = pytest.mark.skip(reason="needs two or more GPUs")
+    no_sglang = pytest.mark.skip(reason="SGLang is not installed")
+    gpus = None
+    for item in items:
+        if "gpu" in item.keywords or "multi_gpu" in item.keywords:
+            gpus = _gpu_count() if gpus is None else gpus
+            if gpus == 0:
+                item.add_marker(no_gpu)
+            elif "multi_gpu" in item.keywords and gpus < 2:
+                item.add_marker(no_multi)
+        if ("sglang" in item.keywords or "e2e" in item.keywords) and not HAS_SGLANG:
+            item.add_marker(no_sglang)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path() -> Path:
+    from kllm_plugins.models.tiny_llama import tiny_llama_path
+
+    return tiny_llama_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    from kllm_plugins.models.smollm2 import smollm2_path
+
+    return smollm2_path()
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
+    """No KLLM_* / SGLANG_PLATFORM variables leak into a test."""
+    import os
+
+    for key in list(os.environ):
+        if key.startswith("KLLM_") or key in ("SGLANG_PLATFORM", "SGLANG_PLUGINS"):
+            monkeypatch.delenv(key)
+    yield monkeypatch

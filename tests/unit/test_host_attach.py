@@ -1,0 +1,123 @@
+"""Attachment verification with a registry double: each target is checked after apply."""
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any, Callable
+
+import pytest
+
+from kllm_plugins.attach import Attacher, import_prefix, resolve_target
+from kllm_plugins.spec import PatchSpec
+
+
+class WrappingRegistry:
+    """Applies AROUND hooks for real (like SGLang's HookRegistry) unless told to drop some."""
+
+    def __init__(self, drop: set[str] | None = None) -> None:
+        self.hooks: list[tuple[str, Callable[..., Any], str]] = []
+        self.drop = drop or set()
+        self.applied = 0
+
+    def register(self, target: str, fn: Callable[..., Any], kind: str) -> None:
+        self.hooks.append((target, fn, kind))
+
+    def apply(self) -> None:
+        self.applied += 1
+        for target, fn, _kind in self.hooks:
+            if target in self.drop:
+                continue
+            owner_path, _, attr = target.rpartition(".")
+            owner = resolve_target(owner_path)
+            original = getattr(owner, attr)
+
+            def wrapper(*a: Any, __o: Any = original, __f: Any = fn, **k: Any) -> Any:
+                return __f(__o, *a, **k)
+
+            setattr(owner, attr, wrapper)
+        self.hooks.clear()
+
+
+@pytest.fixture
+def fake_module() -> types.ModuleType:
+    mod = types.ModuleType("kllm_fake_target")
+
+    class Engine:
+        def step(self) -> int:
+            return 1
+
+    mod.Engine = Engine  # type: ignore[attr-defined]
+    mod.double_step = lambda original, self: 2 * original(self)  # type: ignore[attr-defined]
+    mod.registered = []  # type: ignore[attr-defined]
+
+    def do_register() -> Callable[[], bool]:
+        mod.registered.append("x")  # type: ignore[attr-defined]
+        return lambda: "x" in mod.registered  # type: ignore[attr-defined]
+
+    mod.do_register = do_register  # type: ignore[attr-defined]
+    mod.bad_register = lambda: (lambda: False)  # type: ignore[attr-defined]
+    sys.modules["kllm_fake_target"] = mod
+    yield mod
+    del sys.modules["kllm_fake_target"]
+
+
+def test_applied_hook_is_verified_and_works(fake_module: types.ModuleType) -> None:
+    attacher = Attacher(WrappingRegistry())
+    attacher.add("p", [PatchSpec("kllm_fake_target.Engine.step", "kllm_fake_target:double_step", "around", "test")])
+    report = attacher.apply_and_verify()
+    assert [r.ok for r in report.results] == [True]
+    assert fake_module.Engine().step() == 2
+
+
+def test_hook_swallowed_by_registry_is_reported(fake_module: types.ModuleType) -> None:
+    attacher = Attacher(WrappingRegistry(drop={"kllm_fake_target.Engine.step"}))
+    attacher.add("p", [PatchSpec("kllm_fake_target.Engine.step", "kllm_fake_target:double_step", "around", "test")])
+    report = attacher.apply_and_verify()
+    assert not report.results[0].ok and "not wrapped" in report.results[0].reason
+    assert report.summary() == "0/1 hooks attached"
+
+
+def test_missing_target_and_missing_impl_are_reported(fake_module: types.ModuleType) -> None:
+    attacher = Attacher(WrappingRegistry())
+    attacher.add("p", [
+        PatchSpec("kllm_fake_target.Engine.nope", "kllm_fake_target:double_step", "around", "test"),
+        PatchSpec("kllm_fake_target.Engine.step", "kllm_fake_target:nope", "around", "test"),
+    ])
+    report = attacher.apply_and_verify()
+    assert [r.ok for r in report.results] == [False, False]
+    assert "nope" in report.results[0].reason and "nope" in report.results[1].reason
+
+
+def test_registry_patch_uses_its_checker(fake_module: types.ModuleType) -> None:
+    attacher = Attacher(WrappingRegistry())
+    attacher.add("p", [
+        PatchSpec("kllm_fake_target.Engine", "kllm_fake_target:do_register", "registry", "test"),
+        PatchSpec("kllm_fake_target.Engine", "kllm_fake_target:bad_register", "registry", "test2"),
+    ])
+    # the second has the same (plugin, target) key: idempotent registration skips it
+    report = attacher.apply_and_verify()
+    assert [r.ok for r in report.results] == [True]
+    attacher2 = Attacher(WrappingRegistry())
+    attacher2.add("q", [PatchSpec("kllm_fake_target.Engine", "kllm_fake_target:bad_register", "registry", "t")])
+    assert attacher2.apply_and_verify().results[0].reason == "registry does not hold it"
+
+
+def test_import_prefix_reports_inner_import_errors(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    pkg = tmp_path / "kllm_brokenpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "mod.py").write_text("import kllm_dependency_that_is_missing\nX = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ModuleNotFoundError, match="kllm_dependency_that_is_missing"):
+        import_prefix("kllm_brokenpkg.mod.X")
+    obj, rest = import_prefix("kllm_brokenpkg.Thing.attr")
+    assert obj.__name__ == "kllm_brokenpkg" and rest == ["Thing", "attr"]
+
+
+def test_patch_spec_validation() -> None:
+    with pytest.raises(ValueError, match="dotted"):
+        PatchSpec("nodots", "m:f", "around", "x")
+    with pytest.raises(ValueError, match="module:attr"):
+        PatchSpec("a.b", "m.f", "around", "x")
+    with pytest.raises(ValueError, match="before/after"):
+        PatchSpec("a.b", "m:f", "sideways", "x")  # type: ignore[arg-type]
