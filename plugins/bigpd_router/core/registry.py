@@ -159,12 +159,12 @@ class Registry:
                 out.append(inst)
             return out
 
-    def start_drain(self, url: str) -> Instance:
+    def start_drain(self, url: str, now: float | None = None) -> Instance:
         with self._lock:
             inst = self._by_url[url]
             if inst.health is not Health.DRAINING:
                 inst.health = Health.DRAINING
-                inst.drain_started = time.monotonic()
+                inst.drain_started = time.monotonic() if now is None else now
         log.info("instance draining url=%s in_flight=%d", url, inst.in_flight)
         return inst
 

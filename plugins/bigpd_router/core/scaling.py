@@ -163,7 +163,7 @@ class ScalingController:
             elif d.action == "down":
                 victim = self.pick_victim(role)
                 if victim is not None:
-                    self.registry.start_drain(victim.url)
+                    self.registry.start_drain(victim.url, now)
                     log.info("scale down role=%s reason=%s drain=%s", role.value, d.reason, victim.url)
             made.append(d)
         self.decisions.extend(d for d in made if d.action != "hold")

@@ -85,17 +85,25 @@ def decode_batch(inst: Instance) -> int:
     return max(inst.decoding, inst.reported.running_reqs)
 
 
+DECODE_BATCH_KNEE = 16.0
+"""Batch size at which a decode step costs twice the single-request step (a coarse linear model)."""
+
+
+def batch_factor(batch: float, knee: float = DECODE_BATCH_KNEE) -> float:
+    return 1.0 + max(0.0, batch) / knee
+
+
 def tpot_pred(inst: Instance, extra: int = 1) -> float:
     """Predicted TPOT on `inst` with `extra` more decoding requests.
 
-    The measured TPOT was seen at some batch size; decode steps on a busy instance grow with
-    the batch, so scale linearly by (batch + extra) / max(batch, 1) but never below the measured value.
+    `inst.tpot` holds the single-request TPOT: each observation made at batch n is divided by
+    batch_factor(n) before it is averaged in (see `observe_tpot`), so predictions grow with the batch.
     """
-    batch = decode_batch(inst)
-    base = inst.tpot.value
-    if batch <= 0:
-        return base
-    return base * max(1.0, (batch + extra) / batch) if extra > 0 else base
+    return inst.tpot.value * batch_factor(decode_batch(inst) + extra)
+
+
+def observe_tpot(inst: Instance, tpot_s: float, batch: int) -> None:
+    inst.tpot.update(tpot_s / batch_factor(batch))
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,60 @@
+"""Layer: hook implementations (no SGLang import). Declares the bigpd_router plugin to the host.
+
+The router is a standalone service (`kllm-router`); it patches nothing inside SGLang. Its
+options still go through the host so they come from `--kllm-bigpd-router-*` flags,
+`KLLM_BIGPD_ROUTER_*` variables or the `bigpd_router:` section of the YAML config alike.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from kllm_plugins.hookspecs import hookimpl
+from kllm_plugins.plugins.bigpd_router.config import POLICIES, RouterConfig
+from kllm_plugins.spec import OptionSpec, PluginSpec
+
+_HELP = {
+    "ttft_target_s": "TTFT SLO target in seconds (Load_P denominator)",
+    "tpot_target_s": "TPOT SLO target in seconds per token (Load_D denominator)",
+    "policy": "instance choice: slo_affinity, round_robin or least_load",
+    "affinity_weight": "trust in the approximate prefix tree (1: a matched prefix counts as cached)",
+    "affinity_block_chars": "prompt characters per block of the approximate prefix tree",
+    "affinity_max_blocks": "blocks kept in the approximate prefix tree (LRU)",
+    "request_timeout_s": "whole-request timeout toward an instance",
+    "first_token_timeout_s": "time to the first byte before retrying elsewhere",
+    "max_retries": "retries on another instance when one fails before the first token",
+    "max_body_bytes": "largest accepted request body (HTTP 413 above)",
+    "health_interval_s": "seconds between active health checks",
+    "health_failures": "consecutive failures before an instance is unhealthy",
+    "loads_interval_s": "seconds between /v1/loads polls (0: off)",
+    "scale_interval_s": "seconds between scaling decisions (0: controller off)",
+    "scale_up_load": "SLO Load above which a pool scales up",
+    "scale_down_load": "SLO Load (with one instance fewer) below which a pool scales down",
+    "scale_up_sustain_s": "how long Load must stay high before scaling up",
+    "scale_down_sustain_s": "how long Load must stay low before scaling down",
+    "scale_cooldown_s": "minimum seconds between two scaling actions on a pool",
+    "min_instances": "minimum instances per pool",
+    "max_instances": "maximum instances per pool",
+    "drain_timeout_s": "longest wait for in-flight requests when removing an instance",
+}
+
+
+def _options() -> tuple[OptionSpec, ...]:
+    out = []
+    for f in dataclasses.fields(RouterConfig):
+        default = f.default
+        typ = type(default)
+        out.append(OptionSpec(f.name, typ, default, _HELP[f.name],
+                              choices=POLICIES if f.name == "policy" else None))
+    return tuple(out)
+
+
+@hookimpl
+def kllm_declare() -> PluginSpec:
+    return PluginSpec(
+        name="bigpd_router",
+        summary="standalone router: global prefill/decode pools, per-request pairing, SLO Load, pool scaling",
+        status="experimental",
+        options=_options(),
+        patches=(),
+        config_factory=RouterConfig,
+    )
