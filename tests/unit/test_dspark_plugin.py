@@ -1,0 +1,105 @@
+"""Unit tests of the dspark plugin's step clock, config, declaration and layering (no SGLang)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from kllm_plugins.errors import KllmConfigError
+from kllm_plugins.manager import KllmPluginManager
+from kllm_plugins.plugins.dspark import hookimpls
+from kllm_plugins.plugins.dspark.config import DsparkConfig, parse_knots
+from kllm_plugins.plugins.dspark.core.cost_model import StepFeatures
+from kllm_plugins.plugins.dspark.core.step_clock import StepClock
+
+
+def test_step_clock_attributes_intervals_to_the_previous_step() -> None:
+    clock = StepClock(max_gap_s=0.5)
+    a, b, c = StepFeatures(4, 8, 100), StepFeatures(4, 12, 104), StepFeatures(4, 16, 108)
+    assert clock.on_plan(a, now=10.0) is None
+    obs = clock.on_plan(b, now=10.02)
+    assert obs is not None and obs.features == a and obs.seconds == pytest.approx(0.02)
+    obs = clock.on_plan(c, now=10.05)
+    assert obs is not None and obs.features == b and obs.seconds == pytest.approx(0.03)
+
+
+def test_step_clock_drops_broken_and_idle_intervals() -> None:
+    clock = StepClock(max_gap_s=0.5)
+    f = StepFeatures(4, 8, 100)
+    clock.on_plan(f, now=1.0)
+    clock.on_non_decode()
+    assert clock.on_plan(f, now=1.02) is None  # a prefill ran in between
+    assert clock.on_plan(f, now=5.0) is None  # idle gap
+    assert clock.on_plan(f, now=5.01) is not None
+    assert clock.dropped == 2
+
+
+def manager() -> KllmPluginManager:
+    return KllmPluginManager(extra_plugins=[("dspark", hookimpls)], load_entry_points=False)
+
+
+def test_options_build_the_config_from_env() -> None:
+    env = {
+        "KLLM_DSPARK_OBJECTIVE": "sla",
+        "KLLM_DSPARK_SLA_TOKENS_PER_S": "80",
+        "KLLM_DSPARK_MIN_VERIFY_LEN": "2",
+        "KLLM_DSPARK_MAX_VERIFY_LEN": "6",
+        "KLLM_DSPARK_KNOTS": "32,128",
+    }
+    [ep] = manager().build(["dspark"], {}, env, {})
+    cfg = ep.config
+    assert isinstance(cfg, DsparkConfig)
+    assert (cfg.objective, cfg.sla_tokens_per_s, cfg.min_verify_len, cfg.max_verify_len) == ("sla", 80.0, 2, 6)
+    assert cfg.knots == (32, 128)
+    assert cfg.planner_config().max_verify_len == 6
+
+
+@pytest.mark.parametrize(
+    "env,needle",
+    [
+        ({"KLLM_DSPARK_OBJECTIVE": "sla"}, "sla_tokens_per_s"),
+        ({"KLLM_DSPARK_OBJECTIVE": "fast"}, "OBJECTIVE"),
+        ({"KLLM_DSPARK_MIN_VERIFY_LEN": "5", "KLLM_DSPARK_MAX_VERIFY_LEN": "3"}, "max_verify_len"),
+        ({"KLLM_DSPARK_RAGGED_MODE": "ragged"}, "ragged"),
+        ({"KLLM_DSPARK_KNOTS": "256,64"}, "knots"),
+    ],
+)
+def test_bad_options_fail_with_the_field_named(env: dict[str, str], needle: str) -> None:
+    with pytest.raises(KllmConfigError, match=needle):
+        manager().build(["dspark"], {}, env, {})
+
+
+def test_parse_knots_accepts_yaml_lists() -> None:
+    assert parse_knots([16, 64]) == (16, 64)
+    assert parse_knots("[16, 64]") == (16, 64)
+
+
+def test_ragged_verify_becomes_the_default_but_user_choice_wins() -> None:
+    env: dict[str, str] = {}
+    assert hookimpls.apply_ragged_default(DsparkConfig(), env) == "compact"
+    assert env[hookimpls.RAGGED_ENV] == "compact"
+    env = {hookimpls.RAGGED_ENV: "static"}
+    assert hookimpls.apply_ragged_default(DsparkConfig(), env) == "static"
+    assert env[hookimpls.RAGGED_ENV] == "static"
+    env = {}
+    assert hookimpls.apply_ragged_default(DsparkConfig(ragged_mode="cap-accept"), env) == "cap-accept"
+
+
+def test_patch_ledger_is_complete() -> None:
+    spec = hookimpls.kllm_declare()
+    targets = {p.target.rsplit(".", 1)[-1] for p in spec.patches}
+    assert {"compute_verify_token_budget", "build_sps_cost_table", "__init__"} <= targets
+    for p in spec.patches:
+        assert p.why and p.upstream
+        assert p.impl.startswith("kllm_plugins.plugins.dspark.sglang_adapter:")
+
+
+def test_core_and_hookimpls_import_without_sglang() -> None:
+    code = (
+        "import sys; sys.modules['sglang'] = None\n"
+        "import kllm_plugins.plugins.dspark.core, kllm_plugins.plugins.dspark.hookimpls\n"
+        "import kllm_plugins.plugins.dspark.config\n"
+        "assert not any(m.startswith('sglang') and sys.modules[m] is not None for m in sys.modules)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
