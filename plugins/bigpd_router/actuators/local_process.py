@@ -42,12 +42,14 @@ class LocalProcessActuator:
     log_dir: str | None = None
     stop_grace_s: float = 10.0
     python: str = sys.executable
+    module: str = "sglang.launch_server"
+    """The server module run with `python -m` (tests put the router's fake backend here)."""
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     bootstrap_ports: dict[str, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def command(self, role: Role, port: int, bootstrap_port: int | None) -> list[str]:
-        cmd = [self.python, "-m", "sglang.launch_server", "--model-path", self.model_path,
+        cmd = [self.python, "-m", self.module, "--model-path", self.model_path,
                "--host", self.host, "--port", str(port), *self.common_args, *self.role_args.get(role, ())]
         if bootstrap_port is not None:
             cmd += ["--disaggregation-bootstrap-port", str(bootstrap_port)]

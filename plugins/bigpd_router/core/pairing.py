@@ -24,6 +24,8 @@ from kllm_plugins.plugins.bigpd_router.core.slo_load import backlog_tokens, tpot
 KV_LOW_FREE = 0.1
 KV_PENALTY = 1.0
 REMOTE_TRANSFER_COST = 0.05
+TIE_EPS = 0.02
+"""Scores (in units of the SLO target) closer than this count as equal."""
 
 
 class NoInstance(RuntimeError):
@@ -58,11 +60,20 @@ class Picker:
             i = next(self._rr)
         return sorted(cands, key=lambda c: c.url)[i % len(cands)]
 
-    def prefill_score(self, inst: Instance, prompt_tokens: int, matched_frac: float) -> float:
+    def prefill_score(self, inst: Instance, prompt_tokens: int, matched_frac: float,
+                      rate: float | None = None) -> float:
         """Predicted TTFT on `inst` / TTFT target, with the probably-cached part of the prompt free."""
         cached = min(1.0, self.affinity_weight * matched_frac)
         work = backlog_tokens(inst) + prompt_tokens * (1.0 - cached)
-        return work / max(inst.prefill_rate.value, 1e-6) / self.ttft_target_s
+        return work / max(rate or inst.prefill_rate.value, 1e-6) / self.ttft_target_s
+
+    @staticmethod
+    def _rates(cands: Sequence[Instance]) -> dict[str, float]:
+        """Measured prefill rates; an instance not measured yet borrows the median of its peers."""
+        measured = sorted(c.prefill_rate.value for c in cands if c.prefill_rate.samples)
+        fallback = measured[len(measured) // 2] if measured else None
+        return {c.url: (c.prefill_rate.value if c.prefill_rate.samples or fallback is None else fallback)
+                for c in cands}
 
     def pick_prefill(self, cands: Sequence[Instance], prompt: Prompt, prompt_tokens: int,
                      exclude: frozenset[str] = frozenset()) -> PrefillChoice:
@@ -74,21 +85,20 @@ class Picker:
             inst = self._round_robin(cands)
             return PrefillChoice(inst, 0, total, 0.0)
         matches = self.tree.match(prompt) if self.policy == "slo_affinity" and total else {}
-        best: tuple[float, int, int, str] | None = None
-        chosen: Instance | None = None
-        for c in cands:
-            m = matches.get(c.url, 0)
-            score = self.prefill_score(c, prompt_tokens, m / total if total else 0.0)
-            key = (score, c.in_flight, -m, c.url)
-            if best is None or key < best:
-                best, chosen = key, c
-        assert chosen is not None and best is not None
-        if best[1] == 0 and best[2] == 0 and self.policy == "least_load":
-            # several idle instances tie: spread instead of always taking the first url
-            idle = [c for c in cands if c.in_flight == 0 and self.prefill_score(c, prompt_tokens, 0.0) <= best[0]]
-            if len(idle) > 1:
-                chosen = self._round_robin(idle)
-        return PrefillChoice(chosen, matches.get(chosen.url, 0), total, best[0])
+        rates = self._rates(cands)
+        scored = [(self.prefill_score(c, prompt_tokens, matches.get(c.url, 0) / total if total else 0.0,
+                                      rates[c.url]), c) for c in cands]
+        best = min(score for score, _ in scored)
+        # near-equal predictions are a tie: the longer cached prefix wins, then fewer requests in
+        # flight, then rotation, so idle instances share new prefixes instead of piling on one
+        tied = [c for score, c in scored if score <= best + TIE_EPS]
+        top = max(matches.get(c.url, 0) for c in tied)
+        tied = [c for c in tied if matches.get(c.url, 0) == top]
+        low = min(c.in_flight for c in tied)
+        tied = [c for c in tied if c.in_flight == low]
+        chosen = tied[0] if len(tied) == 1 else self._round_robin(tied)
+        score = next(sc for sc, c in scored if c is chosen)
+        return PrefillChoice(chosen, matches.get(chosen.url, 0), total, score)
 
     def decode_score(self, inst: Instance, prefill: Instance | None) -> float:
         score = tpot_pred(inst) / self.tpot_target_s

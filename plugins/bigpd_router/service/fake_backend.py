@@ -1,0 +1,159 @@
+"""Layer: service test double (no SGLang import). A stand-in for an SGLang server.
+
+Answers the endpoints the router uses (/health, /server_info, /v1/loads, /generate,
+/v1/completions, /v1/chat/completions, streaming or not) with a configurable time to first
+token and time per output token, and keeps a toy prefix cache so `cached_tokens` behaves like
+SGLang's (one token per 4 prompt characters). Used by the unit tests, the reliability tests and
+the router-overhead benchmark; `--fail-after-events N` makes it drop streams mid-way.
+It reports no model path on purpose: other routers would try to fetch a tokenizer for it.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+
+@dataclass
+class FakeBackend:
+    ttft_s: float = 0.0
+    tpot_s: float = 0.0
+    role: str = "null"
+    bootstrap_port: int = 8998
+    capacity_tokens: int = 4096
+    fail_after_events: int = -1
+    """Drop the connection after this many stream events (-1: never)."""
+    status_override: int = 0
+    """Answer every generation request with this HTTP status (0: normal)."""
+    healthy: bool = True
+    running: int = 0
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    record: bool = True
+    _cache: set[str] = field(default_factory=set)
+
+    def cached_chars(self, prompt: str) -> int:
+        n = 0
+        for end in range(16, len(prompt) + 1, 16):
+            if prompt[:end] not in self._cache:
+                break
+            n = end
+        for end in range(16, len(prompt) + 1, 16):
+            self._cache.add(prompt[:end])
+        return n
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/server_info", self.server_info)
+        app.router.add_get("/v1/loads", self.loads)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/generate", self.gen)
+        app.router.add_post("/v1/completions", self.gen)
+        app.router.add_post("/v1/chat/completions", self.gen)
+        return app
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.healthy else 503)
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"disaggregation_mode": self.role, "max_total_num_tokens": self.capacity_tokens,
+                                  "disaggregation_bootstrap_port": self.bootstrap_port,
+                                  "disaggregation_transfer_backend": "fake", "version": "fake"})
+
+    async def loads(self, request: web.Request) -> web.Response:
+        return web.json_response({"loads": [{"dp_rank": 0, "num_running_reqs": self.running, "num_waiting_reqs": 0,
+                                             "num_waiting_uncached_tokens": 0, "num_used_tokens": 0,
+                                             "max_total_num_tokens": self.capacity_tokens,
+                                             "gen_throughput": 0.0}]})
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "fake", "object": "model"}]})
+
+    async def gen(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if self.record:
+            self.requests.append({"path": request.path, "body": body, "rid": request.headers.get("X-Request-Id")})
+        if self.status_override:
+            return web.json_response({"error": "injected"}, status=self.status_override)
+        if request.path == "/generate":
+            prompt = body.get("text") or " ".join(map(str, body.get("input_ids", [])))
+            n = int(body.get("sampling_params", {}).get("max_new_tokens", 4))
+        elif request.path == "/v1/completions":
+            prompt, n = str(body.get("prompt")), int(body.get("max_tokens") or 4)
+        else:
+            prompt = json.dumps(body.get("messages"))
+            n = int(body.get("max_tokens") or body.get("max_completion_tokens") or 4)
+        meta = {"id": uuid.uuid4().hex, "prompt_tokens": max(1, len(prompt) // 4), "completion_tokens": n,
+                "cached_tokens": self.cached_chars(prompt) // 4}
+        self.running += 1
+        try:
+            if self.ttft_s:
+                await asyncio.sleep(self.ttft_s)
+            if not body.get("stream"):
+                if self.tpot_s and n > 1:
+                    await asyncio.sleep(self.tpot_s * (n - 1))
+                return web.json_response(self._final(request.path, n, meta))
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for i in range(n):
+                if i and self.tpot_s:
+                    await asyncio.sleep(self.tpot_s)
+                if i == self.fail_after_events:
+                    assert request.transport is not None
+                    request.transport.close()
+                    return resp
+                await resp.write(b"data: " + json.dumps(self._chunk(request.path, i, n, meta)).encode() + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
+        finally:
+            self.running -= 1
+
+    @staticmethod
+    def _final(path: str, n: int, meta: dict[str, Any]) -> dict[str, Any]:
+        text = " tok" * n
+        usage = {"prompt_tokens": meta["prompt_tokens"], "completion_tokens": n,
+                 "total_tokens": meta["prompt_tokens"] + n}
+        if path == "/generate":
+            return {"text": text, "output_ids": list(range(n)), "meta_info": meta}
+        if path == "/v1/completions":
+            return {"id": meta["id"], "object": "text_completion", "created": int(time.time()), "model": "fake",
+                    "choices": [{"index": 0, "text": text, "finish_reason": "length"}], "usage": usage}
+        return {"id": meta["id"], "object": "chat.completion", "created": int(time.time()), "model": "fake",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                             "finish_reason": "length"}], "usage": usage}
+
+    @staticmethod
+    def _chunk(path: str, i: int, n: int, meta: dict[str, Any]) -> dict[str, Any]:
+        if path == "/generate":
+            return {"text": " tok" * (i + 1), "output_ids": list(range(i + 1)), "meta_info": meta}
+        if path == "/v1/completions":
+            return {"id": meta["id"], "object": "text_completion", "model": "fake",
+                    "choices": [{"index": 0, "text": " tok", "finish_reason": "length" if i == n - 1 else None}]}
+        return {"id": meta["id"], "object": "chat.completion.chunk", "model": "fake",
+                "choices": [{"index": 0, "delta": {"content": " tok"},
+                             "finish_reason": "length" if i == n - 1 else None}]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="fake SGLang server for router tests and benchmarks")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--ttft-s", type=float, default=0.0)
+    ap.add_argument("--tpot-s", type=float, default=0.0)
+    ap.add_argument("--disaggregation-mode", default="null")
+    ap.add_argument("--disaggregation-bootstrap-port", type=int, default=8998)
+    args, _ = ap.parse_known_args(argv)  # SGLang flags from an actuator are accepted and ignored
+    fb = FakeBackend(ttft_s=args.ttft_s, tpot_s=args.tpot_s, role=args.disaggregation_mode,
+                     bootstrap_port=args.disaggregation_bootstrap_port, record=False)
+    web.run_app(fb.app(), host=args.host, port=args.port, print=None, access_log=None)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""Layer: service (no SGLang import). Talking to one instance: probing and the per-attempt book-keeping."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from kllm_plugins.plugins.bigpd_router.core.registry import Instance, Role
+from kllm_plugins.plugins.bigpd_router.core.slo_load import decode_batch, observe_tpot
+
+PATHS = {"generate": "/generate", "completions": "/v1/completions", "chat": "/v1/chat/completions"}
+
+
+class BeforeFirstToken(Exception):
+    """An attempt failed before anything reached the client: it may be retried elsewhere."""
+
+    def __init__(self, urls: set[str], reason: str, status: int = 502) -> None:
+        super().__init__(reason)
+        self.urls = urls
+        self.reason = reason
+        self.status = status
+
+
+async def probe(session: aiohttp.ClientSession, url: str, timeout_s: float = 5.0) -> dict[str, Any]:
+    """Role, capacity and bootstrap port as the instance itself reports them (SGLang /server_info)."""
+    t = aiohttp.ClientTimeout(total=timeout_s)
+    for path in ("/server_info", "/get_server_info"):
+        try:
+            async with session.get(url + path, timeout=t) as r:
+                if r.status == 200:
+                    info = await r.json(content_type=None)
+                    break
+        except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError):
+            continue
+    else:
+        raise ConnectionError(f"{url} does not answer /server_info")
+    mode = info.get("disaggregation_mode") or "null"
+    role = {"prefill": Role.PREFILL, "decode": Role.DECODE}.get(mode, Role.PLAIN)
+    return {
+        "role": role,
+        "capacity_tokens": int(info.get("max_total_num_tokens") or 0),
+        "bootstrap_port": info.get("disaggregation_bootstrap_port") if role is Role.PREFILL else None,
+        "transfer_backend": info.get("disaggregation_transfer_backend"),
+    }
+
+
+def parse_loads(payload: dict[str, Any]) -> dict[str, float]:
+    """Sum SGLang /v1/loads over DP ranks into the fields the router uses."""
+    out = {"running": 0.0, "waiting": 0.0, "waiting_tokens": 0.0, "used": 0.0, "total": 0.0, "gen": 0.0}
+    for load in payload.get("loads", []):
+        out["running"] += load.get("num_running_reqs", 0)
+        out["waiting"] += load.get("num_waiting_reqs", 0)
+        out["waiting_tokens"] += load.get("num_waiting_uncached_tokens", 0)
+        out["used"] += load.get("num_used_tokens", 0)
+        out["total"] += load.get("max_total_num_tokens", 0)
+        out["gen"] += load.get("gen_throughput", 0.0)
+    return out
+
+
+@dataclass
+class Ticket:
+    """Book-keeping of one request on one instance; every step is idempotent."""
+
+    inst: Instance
+    prompt_tokens: int
+    backlog_at_dispatch: int
+    t0: float = field(default_factory=time.monotonic)
+    t_first: float | None = None
+    t_last: float | None = None
+    events: int = 0
+    done: bool = False
+
+    def __post_init__(self) -> None:
+        self.inst.in_flight += 1
+        self.inst.pending_prefill_tokens += self.prompt_tokens
+
+    def first_token(self, at: float | None = None) -> float:
+        """Mark the first token (now, or at `at` when it is only inferred); returns the TTFT."""
+        if self.t_first is None:
+            self.t_first = time.monotonic() if at is None else max(self.t0, at)
+            self.inst.pending_prefill_tokens -= self.prompt_tokens
+            self.inst.decoding += 1
+            ttft = self.t_first - self.t0
+            if ttft > 0:
+                self.inst.prefill_rate.update((self.backlog_at_dispatch + self.prompt_tokens) / ttft)
+        return self.t_first - self.t0
+
+    def prefill_done(self) -> None:
+        """For a PD prefill instance: its part ends with the prefill (no decode here)."""
+        if self.t_first is None:
+            self.first_token()
+        self.finish()
+
+    def tpot(self) -> float | None:
+        if self.t_first is None or self.t_last is None or self.events < 2:
+            return None
+        return (self.t_last - self.t_first) / (self.events - 1)
+
+    def finish(self, tokens: int | None = None) -> None:
+        if self.done:
+            return
+        self.done = True
+        if self.t_first is None:
+            self.inst.pending_prefill_tokens -= self.prompt_tokens
+        else:
+            tp = self.tpot()
+            if tp is None and tokens and tokens > 1 and self.t_last is not None:
+                tp = (self.t_last - self.t_first) / (tokens - 1)
+            if tp is not None and tp > 0:
+                observe_tpot(self.inst, tp, decode_batch(self.inst))
+            self.inst.decoding -= 1
+        self.inst.in_flight -= 1
