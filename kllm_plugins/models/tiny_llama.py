@@ -12,8 +12,9 @@ from pathlib import Path
 
 from kllm_plugins.models.cache_dir import build_once
 
-RECIPE = "v1"
+RECIPE = "v2"
 VOCAB = 4096
+LM_HEAD_SCALE = 8.0
 CORPUS_MODULES = (
     "this.py", "argparse.py", "textwrap.py", "string.py", "calendar.py", "pprint.py",
     "difflib.py", "statistics.py", "fractions.py", "json/__init__.py", "csv.py", "heapq.py",
@@ -69,7 +70,12 @@ def _build(folder: Path) -> None:
         tie_word_embeddings=False,
         torch_dtype="bfloat16",
     )
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        # Random weights give nearly flat logits, where bf16 rounding flips the argmax between
+        # engines. A sharper LM head keeps greedy decoding comparable token for token.
+        model.lm_head.weight.mul_(LM_HEAD_SCALE)
+    model = model.to(torch.bfloat16)
     model.save_pretrained(folder, safe_serialization=True)
     (folder / "kllm_recipe.json").write_text(json.dumps({"recipe": RECIPE, "kind": "tiny-llama"}))
 
