@@ -1,0 +1,66 @@
+"""Layer: plugin config (no SGLang import). Options of the kv_tiers plugin."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KvTiersConfig:
+    store_dir: str = ""
+    """Folder of the L3 file store ("" = <tmp>/kllm-kv-tiers). Instances sharing it share prefixes."""
+    store_capacity_gb: float = 16.0
+    """Upper bound of the L3 file store per rank, in GiB (least recently used pages are evicted)."""
+    fsync: bool = False
+    """fsync every page before publishing it (durable across power loss; slower writes)."""
+    min_reuse: int = 2
+    """Sightings a page needs before it is written to L3 (1 = write everything through, as stock)."""
+    fill_high: float = 0.9
+    """Store fill fraction above which the reuse bar is raised (capacity pressure)."""
+    busy_high: float = 0.5
+    """Writer busy fraction above which the reuse bar is raised (bandwidth pressure)."""
+    fetch_margin: float = 1.2
+    """Fetch a hit only when fetching is this many times cheaper than recomputing it."""
+    explore_every: int = 50
+    """Every N-th refused fetch of a tier fetches anyway to re-measure it (0: never)."""
+    l3_read_gbps: float = 1.0
+    """Prior L3 read bandwidth (GB/s) until measured."""
+    l2_load_gbps: float = 10.0
+    """Prior L2->L1 bandwidth (GB/s) until measured."""
+    prefill_tokens_per_s: float = 5000.0
+    """Prior prefill speed (tokens/s) until measured."""
+    prefetch_max_inflight_ops: int = 4
+    """Most L3 prefetches in flight at once."""
+    prefetch_max_inflight_tokens: int = 8192
+    """Most tokens of L3 prefetches in flight at once."""
+    adaptive_thresholds: bool = True
+    """Set HiCache's L3 prefetch and L2 load-back thresholds from the measured break-even lengths."""
+    instance_id: str = ""
+    """Instance id carried by tier events ("" = <hostname>:<port or pid>)."""
+    host_pool_unpinned: bool = True
+    """On platforms without pinned memory, allocate HiCache host pools unpinned (needed on CPU)."""
+
+    def __post_init__(self) -> None:
+        if self.store_capacity_gb <= 0:
+            raise ValueError(f"store_capacity_gb must be > 0, got {self.store_capacity_gb}")
+        if self.min_reuse < 1:
+            raise ValueError(f"min_reuse must be >= 1, got {self.min_reuse}")
+        for name in ("fill_high", "busy_high"):
+            v = getattr(self, name)
+            if not 0 < v <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {v}")
+        if self.fetch_margin < 1:
+            raise ValueError(f"fetch_margin must be >= 1, got {self.fetch_margin}")
+        if self.explore_every < 0:
+            raise ValueError(f"explore_every must be >= 0, got {self.explore_every}")
+        for name in ("l3_read_gbps", "l2_load_gbps", "prefill_tokens_per_s"):
+            v = getattr(self, name)
+            if not v > 0:
+                raise ValueError(f"{name} must be > 0, got {v}")
+        for name in ("prefetch_max_inflight_ops", "prefetch_max_inflight_tokens"):
+            v = getattr(self, name)
+            if v < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")
+
+    @property
+    def store_capacity_bytes(self) -> int:
+        return int(self.store_capacity_gb * (1 << 30))

@@ -1,0 +1,127 @@
+"""Layer: plugin core (no SGLang import). Fetch a cached prefix from L2/L3 or recompute it.
+
+Loading `n` cached tokens from a tier costs the tier's latency plus `n * bytes_per_token`
+over its bandwidth (an L3 hit also crosses L2 on its way to the device); recomputing them costs
+the instance's prefill time for `n` tokens. Both are learned online (`cost_model.LinearCost`).
+A hit is fetched only when fetching is cheaper by `margin`; since both costs are affine in `n`,
+that is equivalent to a minimum hit length per tier, which is what HiCache's prefetch threshold
+takes. A slow tier therefore stops being used, and a tier is re-measured now and then
+(`explore_every`) so that it can come back when it gets faster.
+"""
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+from typing import Literal
+
+from kllm_plugins.plugins.kv_tiers.core.cost_model import CostPrior, LinearCost
+
+Tier = Literal["l2", "l3"]
+
+
+@dataclass(frozen=True)
+class FetchDecision:
+    fetch: bool
+    tier: Tier
+    tokens: int
+    fetch_s: float
+    recompute_s: float
+    reason: str
+
+
+class FetchOrRecompute:
+    """Per-instance decision rule, fed with measured transfers and prefill passes.
+
+    bytes_per_token:  KV bytes of one token across all layers on this rank.
+    margin:           fetch only when fetch_s * margin < recompute_s (>= 1).
+    explore_every:    every N-th refused decision of a tier fetches anyway, to re-measure it
+                      (0 disables exploration).
+    """
+
+    def __init__(
+        self,
+        bytes_per_token: int,
+        *,
+        l2_prior: CostPrior,
+        l3_prior: CostPrior,
+        prefill_prior: CostPrior,
+        margin: float = 1.2,
+        alpha: float = 0.1,
+        explore_every: int = 50,
+    ) -> None:
+        if bytes_per_token <= 0:
+            raise ValueError(f"bytes_per_token must be > 0, got {bytes_per_token}")
+        if margin < 1:
+            raise ValueError(f"margin must be >= 1, got {margin}")
+        self.bytes_per_token = bytes_per_token
+        self.margin = margin
+        self.explore_every = explore_every
+        self.tiers: dict[str, LinearCost] = {
+            "l2": LinearCost(l2_prior, alpha),
+            "l3": LinearCost(l3_prior, alpha),
+        }
+        self.prefill = LinearCost(prefill_prior, alpha)
+        self._refused: dict[str, int] = {"l2": 0, "l3": 0}
+        self._lock = threading.Lock()
+
+    # -- learning ----------------------------------------------------------------------------
+
+    def observe_transfer(self, tier: Tier, nbytes: int, seconds: float) -> None:
+        self.tiers[tier].observe(nbytes, seconds)
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        self.prefill.observe(tokens, seconds)
+
+    # -- deciding ----------------------------------------------------------------------------
+
+    def fetch_seconds(self, tier: Tier, tokens: int) -> float:
+        nbytes = tokens * self.bytes_per_token
+        s = self.tiers["l2"].seconds(nbytes)
+        if tier == "l3":
+            s += self.tiers["l3"].seconds(nbytes)
+        return s
+
+    def recompute_seconds(self, tokens: int) -> float:
+        return self.prefill.seconds(tokens) - self.prefill.params().fixed_s  # the pass runs anyway
+
+    def decide(self, tier: Tier, tokens: int) -> FetchDecision:
+        if tokens <= 0:
+            return FetchDecision(False, tier, tokens, 0.0, 0.0, "empty")
+        f = self.fetch_seconds(tier, tokens)
+        r = self.recompute_seconds(tokens)
+        if f * self.margin < r:
+            return FetchDecision(True, tier, tokens, f, r, "fetch_cheaper")
+        with self._lock:
+            self._refused[tier] += 1
+            explore = self.explore_every > 0 and self._refused[tier] % self.explore_every == 0
+        if explore:
+            return FetchDecision(True, tier, tokens, f, r, "explore")
+        return FetchDecision(False, tier, tokens, f, r, "recompute_cheaper")
+
+    def min_fetch_tokens(self, tier: Tier) -> float:
+        """Smallest hit (tokens) worth fetching from `tier`; `math.inf` when none is."""
+        b = self.bytes_per_token
+        l2 = self.tiers["l2"].params()
+        fixed = l2.fixed_s
+        per_tok = l2.per_unit_s * b
+        if tier == "l3":
+            l3 = self.tiers["l3"].params()
+            fixed += l3.fixed_s
+            per_tok += l3.per_unit_s * b
+        gain = self.prefill.params().per_unit_s - self.margin * per_tok
+        if gain <= 0:
+            return math.inf
+        return math.floor(self.margin * fixed / gain) + 1
+
+    def snapshot(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for name, cost in self.tiers.items():
+            p = cost.params()
+            out[f"{name}_bandwidth_bytes_per_s"] = 1.0 / p.per_unit_s
+            out[f"{name}_latency_s"] = p.fixed_s
+            out[f"{name}_samples"] = float(cost.samples)
+            out[f"{name}_min_fetch_tokens"] = self.min_fetch_tokens(name)  # type: ignore[arg-type]
+        out["prefill_tokens_per_s"] = self.prefill.rate()
+        out["prefill_samples"] = float(self.prefill.samples)
+        return out

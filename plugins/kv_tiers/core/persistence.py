@@ -1,0 +1,131 @@
+"""Layer: plugin core (no SGLang import). Selective persistence: which pages are worth writing to L3.
+
+Stock HiCache writes every page that reaches host memory through to L3. Most of them are never
+read back (a one-off prompt), and under load those writes compete with reads for the disk. Here
+a page is written only once it has been *seen* `min_reuse` times: stored again after being
+evicted and recomputed, or looked up in L3 and missed. That is second-hit admission (as CDN
+caches do it), with the bar raised under pressure:
+
+- capacity pressure: the store is fuller than `fill_high` (every admission evicts something);
+- bandwidth pressure: the writer was busy more than `busy_high` of the recent wall time.
+
+Each raises the required count by a factor of `pressure_factor`. Counts live in a bounded LRU
+map, so memory stays bounded whatever the traffic. Pages are admitted as a leading run, since
+an L3 lookup stops at the first missing page of a prefix.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable
+
+
+class ReuseCounter:
+    """Sightings per key, bounded to `max_keys` (least recently seen keys are forgotten)."""
+
+    def __init__(self, max_keys: int) -> None:
+        if max_keys <= 0:
+            raise ValueError(f"max_keys must be > 0, got {max_keys}")
+        self.max_keys = max_keys
+        self._counts: OrderedDict[str, int] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def see(self, key: str) -> int:
+        with self._lock:
+            n = self._counts.pop(key, 0) + 1
+            self._counts[key] = n
+            if len(self._counts) > self.max_keys:
+                self._counts.popitem(last=False)
+            return n
+
+    def count(self, key: str) -> int:
+        with self._lock:
+            return self._counts.get(key, 0)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._counts)
+
+
+class BusyMeter:
+    """Fraction of wall time spent in an activity, as an EWMA over `window_s`."""
+
+    def __init__(self, window_s: float = 5.0, clock: Callable[[], float] | None = None) -> None:
+        self.window_s = window_s
+        self._clock = clock or time.monotonic
+        self._last = self._clock()
+        self._busy = 0.0
+        self._lock = threading.Lock()
+
+    def add(self, busy_s: float) -> None:
+        with self._lock:
+            self._decay()
+            self._busy += busy_s
+
+    def fraction(self) -> float:
+        with self._lock:
+            self._decay()
+            return min(1.0, self._busy / self.window_s)
+
+    def _decay(self) -> None:
+        now = self._clock()
+        dt = now - self._last
+        if dt > 0:
+            self._busy *= max(0.0, 1.0 - dt / self.window_s)
+            self._last = now
+
+
+@dataclass(frozen=True)
+class Admission:
+    admitted: int
+    """Leading pages to write."""
+    threshold: int
+    """Sightings a page needed."""
+
+
+class PersistencePolicy:
+    def __init__(
+        self,
+        min_reuse: int = 2,
+        fill_high: float = 0.9,
+        busy_high: float = 0.5,
+        pressure_factor: int = 2,
+        max_keys: int = 200_000,
+    ) -> None:
+        if min_reuse < 1:
+            raise ValueError(f"min_reuse must be >= 1, got {min_reuse}")
+        if not 0 < fill_high <= 1 or not 0 < busy_high <= 1:
+            raise ValueError(f"fill_high and busy_high must be in (0, 1], got {fill_high}, {busy_high}")
+        if pressure_factor < 1:
+            raise ValueError(f"pressure_factor must be >= 1, got {pressure_factor}")
+        self.min_reuse = min_reuse
+        self.fill_high = fill_high
+        self.busy_high = busy_high
+        self.pressure_factor = pressure_factor
+        self.counter = ReuseCounter(max_keys)
+
+    def threshold(self, fill: float, busy: float) -> int:
+        t = self.min_reuse
+        if fill >= self.fill_high:
+            t *= self.pressure_factor
+        if busy >= self.busy_high:
+            t *= self.pressure_factor
+        return t
+
+    def note_lookup_miss(self, keys: list[str]) -> None:
+        """Pages someone wanted from L3 and did not find: a sighting each."""
+        for key in keys:
+            self.counter.see(key)
+
+    def admit(self, keys: list[str], fill: float, busy: float) -> Admission:
+        """Record a write attempt of `keys` (a sighting each) and return the leading run to write."""
+        t = self.threshold(fill, busy)
+        counts = [self.counter.see(k) for k in keys]
+        n = 0
+        for c in counts:
+            if c < t:
+                break
+            n += 1
+        return Admission(n, t)

@@ -1,0 +1,41 @@
+"""Layer: plugin core (no SGLang import). Bounded L3 prefetch for queued requests.
+
+HiCache starts an L3 prefetch for each request entering the waiting queue. On a busy instance
+those transfers compete with the running batch for memory bandwidth, host buffers and CPU
+time. The gate admits a prefetch only when it is worth it (the hit is at least the measured
+break-even length) and when the prefetches already in flight stay within a token and an
+operation budget; anything else is left to recompute.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GateDecision:
+    admit: bool
+    reason: str
+
+
+class PrefetchGate:
+    def __init__(self, max_inflight_ops: int = 4, max_inflight_tokens: int = 8192) -> None:
+        if max_inflight_ops < 1 or max_inflight_tokens < 1:
+            raise ValueError(
+                f"max_inflight_ops and max_inflight_tokens must be >= 1, got {max_inflight_ops}, {max_inflight_tokens}"
+            )
+        self.max_inflight_ops = max_inflight_ops
+        self.max_inflight_tokens = max_inflight_tokens
+
+    def decide(self, candidate_tokens: int, min_fetch_tokens: float, inflight_ops: int,
+               inflight_tokens: int) -> GateDecision:
+        if candidate_tokens <= 0:
+            return GateDecision(False, "empty")
+        if math.isinf(min_fetch_tokens) or candidate_tokens < min_fetch_tokens:
+            return GateDecision(False, "recompute_cheaper")
+        if inflight_ops >= self.max_inflight_ops:
+            return GateDecision(False, "ops_budget")
+        if inflight_tokens + candidate_tokens > self.max_inflight_tokens and inflight_ops > 0:
+            # An idle gate admits one oversized prefetch rather than never prefetching it.
+            return GateDecision(False, "token_budget")
+        return GateDecision(True, "admitted")

@@ -1,0 +1,105 @@
+"""Layer: hook implementations (no SGLang import). Declares the kv_tiers plugin to the host."""
+from __future__ import annotations
+
+from typing import Any
+
+from kllm_plugins.hookspecs import hookimpl
+from kllm_plugins.plugins.kv_tiers.config import KvTiersConfig
+from kllm_plugins.spec import OptionSpec, PatchSpec, PluginSpec, parse_bool
+
+ADAPTER = "kllm_plugins.plugins.kv_tiers.sglang_adapter"
+URC = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache"
+
+_D = KvTiersConfig()
+
+
+@hookimpl
+def kllm_declare() -> PluginSpec:
+    return PluginSpec(
+        name="kv_tiers",
+        summary="L2/L3 KV tiers that pay off: checked file L3 store, fetch-or-recompute, selective persistence, tier events",
+        status="experimental",
+        options=(
+            OptionSpec("store_dir", str, _D.store_dir, "folder of the L3 file store ('' = <tmp>/kllm-kv-tiers)"),
+            OptionSpec("store_capacity_gb", float, _D.store_capacity_gb, "L3 file store bound per rank (GiB)"),
+            OptionSpec("fsync", parse_bool, _D.fsync, "fsync each L3 page before publishing it"),
+            OptionSpec("min_reuse", int, _D.min_reuse, "sightings before a page is written to L3 (1 = all)"),
+            OptionSpec("fill_high", float, _D.fill_high, "store fill fraction that raises the reuse bar"),
+            OptionSpec("busy_high", float, _D.busy_high, "writer busy fraction that raises the reuse bar"),
+            OptionSpec("fetch_margin", float, _D.fetch_margin, "fetch only when this many times cheaper than recompute"),
+            OptionSpec("explore_every", int, _D.explore_every, "re-measure a refused tier every N decisions (0: never)"),
+            OptionSpec("l3_read_gbps", float, _D.l3_read_gbps, "prior L3 read bandwidth (GB/s) until measured"),
+            OptionSpec("l2_load_gbps", float, _D.l2_load_gbps, "prior L2->L1 bandwidth (GB/s) until measured"),
+            OptionSpec("prefill_tokens_per_s", float, _D.prefill_tokens_per_s, "prior prefill speed until measured"),
+            OptionSpec("prefetch_max_inflight_ops", int, _D.prefetch_max_inflight_ops, "most L3 prefetches in flight"),
+            OptionSpec("prefetch_max_inflight_tokens", int, _D.prefetch_max_inflight_tokens,
+                       "most tokens of L3 prefetches in flight"),
+            OptionSpec("adaptive_thresholds", parse_bool, _D.adaptive_thresholds,
+                       "set HiCache's prefetch / load-back thresholds from measured break-even lengths"),
+            OptionSpec("instance_id", str, _D.instance_id, "instance id in tier events ('' = host:port)"),
+            OptionSpec("host_pool_unpinned", parse_bool, _D.host_pool_unpinned,
+                       "allocate HiCache host pools unpinned where pinned memory is unavailable (CPU)"),
+        ),
+        patches=(
+            PatchSpec(
+                target=f"{URC}.prefetch_from_storage",
+                impl=f"{ADAPTER}:around_prefetch_from_storage",
+                kind="around",
+                why="fetch-or-recompute and bounded prefetch: set the L3 prefetch threshold from the measured "
+                    "break-even length and refuse prefetches beyond the in-flight budget",
+                upstream="a pluggable storage prefetch policy (threshold and admission callback) in HiCache",
+            ),
+            PatchSpec(
+                target=f"{URC}.init_load_back",
+                impl=f"{ADAPTER}:around_init_load_back",
+                kind="around",
+                why="fetch-or-recompute for L2 hits: set load_back_threshold from the measured break-even length, "
+                    "and measure L2->L1 loads",
+                upstream="a load-back cost hook or a measured threshold in HiCache",
+            ),
+            PatchSpec(
+                target="sglang.srt.managers.scheduler.Scheduler.run_batch",
+                impl=f"{ADAPTER}:around_run_batch",
+                kind="around",
+                why="measure the instance's prefill speed (tokens per second of extend batches) online",
+                upstream="per-batch forward timings exposed to plugins (a batch-finished observer)",
+            ),
+            PatchSpec(
+                target=f"{URC}.take_events",
+                impl=f"{ADAPTER}:after_take_events",
+                kind="after",
+                why="append L3 (DISK) store/remove events to the radix cache's KV events; the tree core emits "
+                    "GPU and CPU media only",
+                upstream="KV events from the HiCache storage threads (record_store with StorageMedium.DISK/EXTERNAL)",
+            ),
+            PatchSpec(
+                target="sglang.srt.mem_cache.pool_host.base.HostKVCache.__init__",
+                impl=f"{ADAPTER}:before_host_pool_init",
+                kind="before",
+                why="HiCache host pools are built with pin_memory=True (cudaHostRegister, pinned page buffers), which "
+                    "fails without CUDA; build them unpinned where the platform reports no pinned memory",
+                upstream="host pools honouring current_platform.is_pin_memory_available()",
+            ),
+            PatchSpec(
+                target="sglang.srt.mem_cache.pool_host.mha",
+                impl=f"{ADAPTER}:bind_direct_copy",
+                kind="registry",
+                why="HiCache's direct I/O backend calls sgl_kernel's transfer_kv_direct, imported only on CUDA/HIP/XPU; "
+                    "bind a torch implementation where the name is missing (CPU platform)",
+                upstream="a torch fallback for kvcacheio ops (as _kvcacheio does for XPU), or move to hardware/cpu",
+            ),
+            PatchSpec(
+                target="sglang.srt.disaggregation.kv_events.EventPublisherFactory.register_publisher",
+                impl=f"{ADAPTER}:register_publisher",
+                kind="registry",
+                why="a 'kllm_tiers' KV-event publisher (ZMQ) that stamps every event with the instance id",
+                upstream="an instance id in SGLang's KV event batch",
+            ),
+        ),
+        config_factory=KvTiersConfig,
+    )
+
+
+@hookimpl
+def kllm_validate(config: Any, enabled: list[str]) -> None:
+    return None

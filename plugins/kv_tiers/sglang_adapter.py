@@ -1,0 +1,403 @@
+"""Layer: SGLang adapter of the kv_tiers plugin. The only module of the plugin that touches SGLang.
+
+- `KllmFileStorage`: a `HiCacheStorage` for HiCache's `dynamic` backend, backed by the core
+  `FilePageStore` (checked, bounded pages) and the core `PersistencePolicy` (selective writes).
+  Select it with
+      --enable-hierarchical-cache --hicache-storage-backend dynamic
+      --hicache-storage-backend-extra-config '{"backend_name":"kllm_file",
+          "module_path":"kllm_plugins.plugins.kv_tiers.sglang_adapter","class_name":"KllmFileStorage"}'
+  It works without the plugin enabled (defaults, or keys of the extra config), and takes the
+  plugin's options when it is.
+- hooks: adaptive L3 prefetch / L2 load-back thresholds and the bounded prefetch gate
+  (fetch-or-recompute), prefill-speed and L2-load measurement, tier events appended to the
+  radix cache's own KV events, an unpinned host pool on platforms without pinned memory, and a
+  `kllm_tiers` KV-event publisher that stamps the instance id.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import tempfile
+import threading
+import time
+from typing import Any, Callable, List, Optional
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
+
+from kllm_plugins import metrics, runtime
+from kllm_plugins.plugins.kv_tiers.config import KvTiersConfig
+from kllm_plugins.plugins.kv_tiers.core.cost_model import CostPrior
+from kllm_plugins.plugins.kv_tiers.core.fetch_policy import FetchOrRecompute
+from kllm_plugins.plugins.kv_tiers.core.file_store import FilePageStore
+from kllm_plugins.plugins.kv_tiers.core.persistence import BusyMeter, PersistencePolicy
+from kllm_plugins.plugins.kv_tiers.core.prefetch_gate import PrefetchGate
+from kllm_plugins.plugins.kv_tiers.core.tier_events import TierEventLog
+
+logger = logging.getLogger("kllm.kv_tiers")
+
+PLUGIN = "kv_tiers"
+_NO_FETCH_THRESHOLD = 1 << 30  # "never": longer than any context
+
+
+def _config(extra: dict[str, Any] | None = None) -> KvTiersConfig:
+    """The plugin's config when enabled here; otherwise defaults overridden by extra-config keys."""
+    if runtime.is_enabled(PLUGIN):
+        return runtime.config_of(PLUGIN)
+    fields = KvTiersConfig.__dataclass_fields__
+    given = {k: v for k, v in (extra or {}).items() if k in fields}
+    return KvTiersConfig(**given)
+
+
+def _instance_id(cfg: KvTiersConfig) -> str:
+    if cfg.instance_id:
+        return cfg.instance_id
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        port = get_server_args().port
+    except Exception:
+        port = os.getpid()
+    return f"{socket.gethostname()}:{port}"
+
+
+class _Tiers:
+    """Per-process state shared by the storage backend and the hooks."""
+
+    def __init__(self, cfg: KvTiersConfig) -> None:
+        self.cfg = cfg
+        self.instance_id = _instance_id(cfg)
+        self.fetch: FetchOrRecompute | None = None  # built once the KV size per token is known
+        self.persistence = PersistencePolicy(cfg.min_reuse, cfg.fill_high, cfg.busy_high)
+        self.gate = PrefetchGate(cfg.prefetch_max_inflight_ops, cfg.prefetch_max_inflight_tokens)
+        self.write_busy = BusyMeter()
+        self.events: TierEventLog | None = None
+        self.store: FilePageStore | None = None
+        self.counts: dict[str, int] = {"prefetch_admitted": 0, "prefetch_refused": 0,
+                                       "pages_skipped": 0, "pages_admitted": 0}
+        self._lock = threading.Lock()
+        self._m_pages = metrics.counter("kllm_kv_tiers_l3_pages_total", "L3 pages by outcome", ("outcome",))
+        self._m_faults = metrics.counter("kllm_kv_tiers_l3_faults_total", "L3 pages refused or failed, by reason",
+                                         ("reason",))
+        self._m_prefetch = metrics.counter("kllm_kv_tiers_prefetch_decisions_total", "L3 prefetch gate decisions",
+                                           ("reason",))
+
+    def ensure_fetch_policy(self, bytes_per_token: int) -> FetchOrRecompute:
+        with self._lock:
+            if self.fetch is None:
+                c = self.cfg
+                self.fetch = FetchOrRecompute(
+                    max(1, bytes_per_token),
+                    l2_prior=CostPrior(20e-6, 1.0 / (c.l2_load_gbps * 1e9)),
+                    l3_prior=CostPrior(200e-6, 1.0 / (c.l3_read_gbps * 1e9)),
+                    prefill_prior=CostPrior(0.0, 1.0 / c.prefill_tokens_per_s),
+                    margin=c.fetch_margin,
+                    explore_every=c.explore_every,
+                )
+            return self.fetch
+
+    def count(self, what: str, n: int = 1) -> None:
+        with self._lock:
+            self.counts[what] = self.counts.get(what, 0) + n
+
+    def snapshot(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"instance_id": self.instance_id, **self.counts}
+        if self.store is not None:
+            out["store"] = self.store.stats.snapshot()
+            out["store_used_bytes"] = self.store.used_bytes
+        if self.fetch is not None:
+            out["fetch_policy"] = self.fetch.snapshot()
+        return out
+
+
+_tiers: _Tiers | None = None
+_tiers_lock = threading.Lock()
+
+
+def tiers(extra: dict[str, Any] | None = None) -> _Tiers:
+    global _tiers
+    with _tiers_lock:
+        if _tiers is None:
+            _tiers = _Tiers(_config(extra))
+        return _tiers
+
+
+# -- the L3 store ----------------------------------------------------------------------------
+
+
+class KllmFileStorage(HiCacheStorage):
+    """HiCache `dynamic` storage backend over the checked, bounded `FilePageStore`."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
+        extra = dict(storage_config.extra_config or {})
+        self.t = tiers(extra)
+        cfg = self.t.cfg
+        self.storage_config = storage_config
+        self.root = cfg.store_dir or extra.get("store_dir") or os.path.join(tempfile.gettempdir(), "kllm-kv-tiers")
+        self.capacity_bytes = cfg.store_capacity_bytes
+        self.store: FilePageStore | None = None
+        self.page_nbytes: int | None = None
+        self.mem_pool_host: Any = None
+
+    # The namespace needs the host pool's dtype and page shape, so the store opens here.
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        sc = self.storage_config
+        page = mem_pool_host.get_dummy_flat_data_page()
+        self.page_nbytes = page.numel() * page.element_size()
+        page_size = int(getattr(mem_pool_host, "page_size", 1))
+        namespace = "|".join(str(x) for x in (
+            "kllm-kv-v1", sc.model_name, f"tp{sc.tp_rank}/{sc.tp_size}", f"pp{sc.pp_rank}/{sc.pp_size}",
+            f"cp{sc.attn_cp_rank}/{sc.attn_cp_size}", f"mla{int(sc.is_mla_model)}",
+            getattr(mem_pool_host, "layout", "?"), str(page.dtype), f"page{page_size}", f"bytes{self.page_nbytes}",
+        ))
+        t = self.t
+        t.events = TierEventLog(t.instance_id, page_size)
+        self.store = FilePageStore(
+            self.root, namespace, self.capacity_bytes, fsync=t.cfg.fsync, shared=True,
+            on_transfer=self._on_transfer,
+            on_store=lambda k: t.events.record("stored", "DISK", [k]) if t.events else None,
+            on_remove=lambda k: t.events.record("removed", "DISK", [k]) if t.events else None,
+        )
+        t.store = self.store
+        t.ensure_fetch_policy(self.page_nbytes // max(1, page_size))
+        logger.info("kv_tiers L3 file store at %s (namespace %s, capacity %.1f GiB, %d pages adopted)",
+                    self.store.folder, namespace, self.capacity_bytes / (1 << 30), len(self.store))
+
+    def _on_transfer(self, direction: str, nbytes: int, seconds: float) -> None:
+        if direction == "read" and self.t.fetch is not None:
+            self.t.fetch.observe_transfer("l3", nbytes, seconds)
+        elif direction == "write":
+            self.t.write_busy.add(seconds)
+
+    def _fault_metrics(self, before: dict[str, int]) -> None:
+        if self.store is None:
+            return
+        for reason, n in self.store.stats.faults.items():
+            d = n - before.get(reason, 0)
+            if d > 0:
+                self.t._m_faults.labels(reason).inc(d)
+
+    # -- reads ---------------------------------------------------------------------------
+
+    def exists(self, key: str) -> bool:
+        return self.store is not None and self.store.exists(key)
+
+    def batch_exists(self, keys: List[str], extra_info: Any = None) -> int:
+        if self.store is None:
+            return 0
+        n = self.store.prefix_hits(keys)
+        if n < len(keys):
+            self.t.persistence.note_lookup_miss(keys[n:])
+        return n
+
+    def get(self, key: str, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None) -> torch.Tensor | None:
+        if self.store is None or target_location is None:
+            return None
+        before = dict(self.store.stats.faults)
+        ok = self.store.get_into(key, memoryview(target_location.view(torch.uint8).numpy()).cast("B"))
+        self._fault_metrics(before)
+        self.t._m_pages.labels("hit" if ok else "miss").inc()
+        return target_location if ok else None
+
+    def batch_get(self, keys: List[str], target_locations: Optional[Any] = None,
+                  target_sizes: Optional[Any] = None) -> List[torch.Tensor | None]:
+        out: list[torch.Tensor | None] = [None] * len(keys)
+        for i, key in enumerate(keys):
+            target = target_locations[i] if target_locations is not None else None
+            got = self.get(key, target)
+            if got is None:
+                break  # a prefix ends at its first missing page
+            out[i] = got
+        return out
+
+    # -- writes --------------------------------------------------------------------------
+
+    def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
+            target_sizes: Optional[Any] = None) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(self, keys: List[str], values: Optional[Any] = None, target_locations: Optional[Any] = None,
+                  target_sizes: Optional[Any] = None) -> bool:
+        if self.store is None or values is None:
+            return False
+        fill = self.store.used_bytes / self.store.capacity_bytes
+        adm = self.t.persistence.admit(list(keys), fill, self.t.write_busy.fraction())
+        skipped = len(keys) - adm.admitted
+        if skipped:
+            # Not an error: HiCache would log a failed write. The page simply stays out of L3.
+            self.t.count("pages_skipped", skipped)
+            self.t._m_pages.labels("skipped").inc(skipped)
+        before = dict(self.store.stats.faults)
+        ok = True
+        for key, value in zip(keys[: adm.admitted], values[: adm.admitted]):
+            data = value.contiguous().view(torch.uint8).numpy()
+            if not self.store.put(key, memoryview(data).cast("B")):
+                ok = False
+                break
+            self.t.count("pages_admitted")
+            self.t._m_pages.labels("written").inc()
+        self._fault_metrics(before)
+        return ok
+
+    def clear(self) -> None:
+        if self.store is not None:
+            self.store.clear()
+
+    def get_stats(self) -> Any:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+# -- hooks -----------------------------------------------------------------------------------
+
+
+def before_host_pool_init(*args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """Build HiCache host pools unpinned where the platform has no pinned memory (CPU)."""
+    from sglang.srt.platforms import current_platform
+
+    if current_platform.is_pin_memory_available() or not _config().host_pool_unpinned:
+        return None
+    if kwargs.get("pin_memory"):
+        kwargs["pin_memory"] = False
+    return args, kwargs
+
+
+def bind_direct_copy() -> Callable[[], bool]:
+    """Give HiCache's host pools a torch `transfer_kv_direct` where sgl-kernel provides none."""
+    from sglang.srt.mem_cache.pool_host import mha
+
+    from kllm_plugins.plugins.kv_tiers.core.direct_copy import transfer_kv_direct
+
+    if not hasattr(mha, "transfer_kv_direct"):
+        mha.transfer_kv_direct = transfer_kv_direct
+    return lambda: callable(getattr(mha, "transfer_kv_direct", None))
+
+
+def _inflight(cache: Any) -> tuple[int, int]:
+    ongoing = getattr(cache, "ongoing_prefetch", None) or {}
+    tokens = 0
+    for value in list(ongoing.values()):
+        op = value[-1] if isinstance(value, tuple) else value
+        tokens += len(getattr(op, "hash_value", None) or []) * int(getattr(cache, "page_size", 1))
+    return len(ongoing), tokens
+
+
+def around_prefetch_from_storage(original: Callable[..., Any], self: Any, request: Any, last_host_node_id: Any,
+                                 new_input_tokens: list[int], *args: Any, **kwargs: Any) -> Any:
+    t = tiers()
+    if t.fetch is None or not t.cfg.adaptive_thresholds:
+        return original(self, request, last_host_node_id, new_input_tokens, *args, **kwargs)
+    min_tokens = t.fetch.min_fetch_tokens("l3")
+    page = int(getattr(self, "page_size", 1))
+    self.prefetch_threshold = max(page, _NO_FETCH_THRESHOLD if min_tokens == float("inf") else int(min_tokens))
+    already = request in (getattr(self, "ongoing_prefetch", None) or {})
+    if not already:
+        ops, tokens = _inflight(self)
+        d = t.gate.decide(len(new_input_tokens), min_tokens, ops, tokens)
+        t._m_prefetch.labels(d.reason).inc()
+        if not d.admit:
+            t.count("prefetch_refused")
+            return None
+        t.count("prefetch_admitted")
+    return original(self, request, last_host_node_id, new_input_tokens, *args, **kwargs)
+
+
+def around_init_load_back(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
+    """Set the L2 load-back threshold from the break-even length; measure L2->L1 loads."""
+    t = _tiers
+    if t is not None and t.fetch is not None and t.cfg.adaptive_thresholds:
+        m = t.fetch.min_fetch_tokens("l2")
+        self.load_back_threshold = _NO_FETCH_THRESHOLD if m == float("inf") else int(m)
+    t0 = time.perf_counter()
+    result = original(self, *args, **kwargs)
+    dt = time.perf_counter() - t0
+    if t is not None and t.fetch is not None and isinstance(result, tuple) and result:
+        loaded = result[0]
+        if isinstance(loaded, int) and loaded > 0:
+            t.fetch.observe_transfer("l2", loaded * t.fetch.bytes_per_token, dt)
+            t.count("l2_loaded_tokens", loaded)
+    return result
+
+
+def around_run_batch(original: Callable[..., Any], self: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+    t0 = time.perf_counter()
+    result = original(self, batch, *args, **kwargs)
+    t = _tiers
+    mode = getattr(batch, "forward_mode", None)
+    if t is not None and t.fetch is not None and mode is not None and mode.is_extend():
+        tokens = int(getattr(batch, "extend_num_tokens", 0) or 0)
+        if tokens > 0:
+            t.fetch.observe_prefill(tokens, time.perf_counter() - t0)
+    return result
+
+
+def after_take_events(result: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
+    t = _tiers
+    if t is None or t.events is None:
+        return None
+    pending = t.events.take()
+    if not pending:
+        return None
+    if not getattr(getattr(self, "kv_events", None), "enabled", False):
+        return None  # events off: drop ours too, as SGLang drops its own
+    return list(result or []) + [to_sglang_event(e) for e in pending]
+
+
+# -- KV event wire types ---------------------------------------------------------------------
+
+_wire_types: tuple[Any, Any] | None = None
+
+
+def _wire() -> tuple[Any, Any]:
+    global _wire_types
+    if _wire_types is None:
+        from typing import Optional as Opt
+
+        from sglang.srt.disaggregation.kv_events import BlockRemoved, BlockStored
+
+        class TierBlockStored(BlockStored, tag="BlockStored"):  # type: ignore[call-arg]
+            instance_id: Opt[str] = None
+            storage_keys: Opt[list[str]] = None
+
+        class TierBlockRemoved(BlockRemoved, tag="BlockRemoved"):  # type: ignore[call-arg]
+            instance_id: Opt[str] = None
+            storage_keys: Opt[list[str]] = None
+
+        _wire_types = (TierBlockStored, TierBlockRemoved)
+    return _wire_types
+
+
+def to_sglang_event(event: Any) -> Any:
+    stored, removed = _wire()
+    wire = event.to_wire()
+    wire.pop("type")
+    return (stored if event.kind == "stored" else removed)(**wire)
+
+
+def register_publisher() -> Callable[[], bool]:
+    """Register the `kllm_tiers` KV-event publisher (a ZMQ publisher that stamps the instance id)."""
+    from sglang.srt.disaggregation.kv_events import EventPublisherFactory, ZmqEventPublisher
+
+    class KllmTierEventPublisher(ZmqEventPublisher):
+        def publish(self, events: Any) -> None:
+            iid = tiers().instance_id
+            stored, removed = _wire()
+            stamped = []
+            for ev in events.events:
+                if getattr(ev, "instance_id", "absent") is None:
+                    ev.instance_id = iid
+                elif type(ev).__name__ in ("BlockStored", "BlockRemoved"):
+                    cls = stored if type(ev).__name__ == "BlockStored" else removed
+                    fields = {f: getattr(ev, f) for f in ev.__struct_fields__}
+                    ev = cls(**fields, instance_id=iid)
+                stamped.append(ev)
+            events.events = stamped
+            super().publish(events)
+
+    if "kllm_tiers" not in EventPublisherFactory._registry:
+        EventPublisherFactory.register_publisher("kllm_tiers", KllmTierEventPublisher)
+    return lambda: "kllm_tiers" in EventPublisherFactory._registry
