@@ -369,7 +369,8 @@ class Router:
             self.ttft_actual[Role.PREFILL if prefill else Role.PLAIN].add(ttft)
             self.metrics.ttft.observe(ttft)
         self._log(rid, shape, upstream.status, ticket, prefill, attempt)
-        return web.Response(body=data, status=upstream.status, headers={"X-Request-Id": rid},
+        return web.Response(body=data, status=upstream.status,
+                            headers={"X-Request-Id": rid, "X-Kllm-Instance": ticket.inst.url},
                             content_type=upstream.content_type or "application/json")
 
     async def _stream(self, request: web.Request, upstream: aiohttp.ClientResponse, first: bytes,
@@ -382,7 +383,7 @@ class Router:
         self.metrics.ttft.observe(ttft)
         out = web.StreamResponse(status=200, headers={
             "Content-Type": upstream.headers.get("Content-Type", "text/event-stream"),
-            "Cache-Control": "no-cache", "X-Request-Id": rid})
+            "Cache-Control": "no-cache", "X-Request-Id": rid, "X-Kllm-Instance": ticket.inst.url})
         await out.prepare(request)
         tail = b""
         status = 200
