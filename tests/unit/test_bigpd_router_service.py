@@ -216,7 +216,10 @@ def test_pd_prefill_failure_is_retried_with_another_prefill() -> None:
                 st, body, _ = await post(s, rurl + "/generate", gen(f"x{i}", 2, stream=True))
                 assert st == 200, body
             rooms_ok = {r["body"]["bootstrap_room"] for r in pgood.requests}
-            assert {r["body"]["bootstrap_room"] for r in d1.requests[-2:]} <= rooms_ok
+            rooms_bad = {r["body"]["bootstrap_room"] for r in pbad.requests}
+            assert len(rooms_ok) == 2 and rooms_bad and not rooms_ok & rooms_bad
+            # each served request was a pair (good prefill, decode); the failed pairs were abandoned
+            assert rooms_ok <= {r["body"]["bootstrap_room"] for r in d1.requests}
     run(go)
 
 
