@@ -1,0 +1,179 @@
+"""Unit tests of the kv_tiers policies (core, no SGLang): cost model, fetch-or-recompute,
+selective persistence, prefetch gate."""
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kllm_plugins.plugins.kv_tiers.core.cost_model import CostPrior, LinearCost
+from kllm_plugins.plugins.kv_tiers.core.fetch_policy import FetchOrRecompute
+from kllm_plugins.plugins.kv_tiers.core.persistence import BusyMeter, PersistencePolicy, ReuseCounter
+from kllm_plugins.plugins.kv_tiers.core.prefetch_gate import PrefetchGate
+
+
+def test_linear_cost_uses_prior_until_warm_then_fits_latency_and_bandwidth() -> None:
+    c = LinearCost(CostPrior(1.0, 1.0), alpha=0.2, min_samples=3)
+    assert c.params() == CostPrior(1.0, 1.0)
+    # true model: 2 ms + 1 ns/byte (1 GB/s)
+    for n in (1e5, 1e6, 4e6, 2e5, 8e6, 5e5) * 5:
+        c.observe(n, 0.002 + n * 1e-9)
+    p = c.params()
+    assert p.fixed_s == pytest.approx(0.002, rel=1e-3)
+    assert p.per_unit_s == pytest.approx(1e-9, rel=1e-3)
+    assert c.rate() == pytest.approx(1e9, rel=1e-3)
+
+
+def test_linear_cost_follows_a_tier_that_slows_down() -> None:
+    c = LinearCost(CostPrior(0.0, 1e-9), alpha=0.3, min_samples=1)
+    for n in (1e6, 3e6) * 10:
+        c.observe(n, n * 1e-9)
+    fast = c.seconds(1e6)
+    for n in (1e6, 3e6) * 20:
+        c.observe(n, n * 1e-8)  # ten times slower
+    assert c.seconds(1e6) == pytest.approx(10 * fast, rel=0.05)
+
+
+def test_linear_cost_with_constant_sizes_charges_per_unit() -> None:
+    c = LinearCost(CostPrior(0.0, 1.0), min_samples=2)
+    for _ in range(5):
+        c.observe(1000, 0.5)
+    assert c.params().fixed_s == 0.0
+    assert c.seconds(1000) == pytest.approx(0.5)
+
+
+def test_linear_cost_rejects_bad_arguments_and_ignores_bad_samples() -> None:
+    with pytest.raises(ValueError, match="alpha"):
+        LinearCost(CostPrior(0, 1), alpha=0)
+    with pytest.raises(ValueError, match="prior"):
+        LinearCost(CostPrior(0, 0))
+    c = LinearCost(CostPrior(0, 1), min_samples=1)
+    c.observe(0, 1.0)
+    c.observe(10, -1.0)
+    assert c.samples == 0
+
+
+def _policy(l3_bw: float, prefill_tps: float, l3_lat: float = 1e-3, margin: float = 1.0, explore: int = 0) -> FetchOrRecompute:
+    return FetchOrRecompute(
+        bytes_per_token=32_768,
+        l2_prior=CostPrior(1e-5, 1 / 20e9),
+        l3_prior=CostPrior(l3_lat, 1 / l3_bw),
+        prefill_prior=CostPrior(0.0, 1 / prefill_tps),
+        margin=margin,
+        explore_every=explore,
+    )
+
+
+def test_fetch_when_tier_is_faster_than_prefill_and_recompute_when_not() -> None:
+    fast = _policy(l3_bw=5e9, prefill_tps=2_000)  # 32 KiB/token: 150k tok/s from disk vs 2k tok/s prefill
+    d = fast.decide("l3", 1024)
+    assert d.fetch and d.reason == "fetch_cheaper" and d.fetch_s < d.recompute_s
+    slow = _policy(l3_bw=20e6, prefill_tps=2_000)  # 600 tok/s from disk: slower than recompute
+    d = slow.decide("l3", 1024)
+    assert not d.fetch and d.reason == "recompute_cheaper"
+    assert math.isinf(slow.min_fetch_tokens("l3"))
+
+
+def test_min_fetch_tokens_is_the_break_even_length() -> None:
+    p = _policy(l3_bw=1e9, prefill_tps=5_000, l3_lat=0.01, margin=1.2)
+    n = p.min_fetch_tokens("l3")
+    assert math.isfinite(n) and n > 1
+    assert p.decide("l3", int(n)).fetch
+    assert not p.decide("l3", int(n) - 1).fetch
+    # L2 alone is cheaper than L3 (L3 hits also cross L2)
+    assert p.min_fetch_tokens("l2") < n
+
+
+def test_learning_moves_the_decision() -> None:
+    p = _policy(l3_bw=5e9, prefill_tps=2_000)
+    assert p.decide("l3", 512).fetch
+    for n in (64, 256, 1024) * 5:  # measured: the disk is actually 10 MB/s
+        p.observe_transfer("l3", n * 32_768, 1e-3 + n * 32_768 / 10e6)
+    assert not p.decide("l3", 512).fetch
+    for n in (64, 256, 1024) * 5:  # and the prefill is slow too: 50 tokens/s
+        p.observe_prefill(n, n / 50)
+    assert p.decide("l3", 512).fetch
+
+
+def test_exploration_refetches_a_refused_tier_now_and_then() -> None:
+    p = _policy(l3_bw=20e6, prefill_tps=2_000, explore=5)
+    decisions = [p.decide("l3", 256) for _ in range(20)]
+    explored = [d for d in decisions if d.fetch]
+    assert len(explored) == 4 and all(d.reason == "explore" for d in explored)
+
+
+def test_fetch_policy_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="margin"):
+        _policy(1e9, 1e3, margin=0.5)
+    with pytest.raises(ValueError, match="bytes_per_token"):
+        FetchOrRecompute(0, l2_prior=CostPrior(0, 1), l3_prior=CostPrior(0, 1), prefill_prior=CostPrior(0, 1))
+
+
+@given(bw=st.floats(1e6, 1e11), tps=st.floats(10, 1e6), lat=st.floats(0, 0.1), n=st.integers(1, 200_000))
+@settings(max_examples=200, deadline=None)
+def test_decision_agrees_with_threshold(bw: float, tps: float, lat: float, n: int) -> None:
+    p = _policy(bw, tps, l3_lat=lat, margin=1.2)
+    thr = p.min_fetch_tokens("l3")
+    d = p.decide("l3", n)
+    f, r = d.fetch_s * 1.2, d.recompute_s
+    if abs(f - r) > 1e-9 * max(f, r):  # away from the exact tie, where rounding decides
+        assert d.fetch == (n >= thr)
+
+
+def test_reuse_counter_is_bounded_and_forgets_least_recent() -> None:
+    c = ReuseCounter(max_keys=3)
+    for k in ("a", "b", "a", "c", "d"):
+        c.see(k)
+    assert len(c) == 3
+    assert c.count("b") == 0  # forgotten
+    assert c.count("a") == 2
+
+
+def test_second_hit_admission_and_leading_run() -> None:
+    p = PersistencePolicy(min_reuse=2)
+    assert p.admit(["p1", "p2", "p3"], fill=0.0, busy=0.0).admitted == 0  # first sighting
+    a = p.admit(["p1", "p2", "p3"], fill=0.0, busy=0.0)
+    assert a.admitted == 3 and a.threshold == 2
+    p.note_lookup_miss(["q1"])
+    assert p.admit(["q1", "q2"], 0.0, 0.0).admitted == 1  # q1 was wanted, q2 never seen
+
+
+def test_min_reuse_one_writes_everything_through() -> None:
+    p = PersistencePolicy(min_reuse=1)
+    assert p.admit(["a", "b"], 0.0, 0.0).admitted == 2
+
+
+def test_pressure_raises_the_bar() -> None:
+    p = PersistencePolicy(min_reuse=2, fill_high=0.8, busy_high=0.5, pressure_factor=2)
+    assert p.threshold(0.5, 0.1) == 2
+    assert p.threshold(0.9, 0.1) == 4
+    assert p.threshold(0.9, 0.6) == 8
+    for _ in range(3):
+        p.admit(["x"], fill=0.0, busy=0.0)
+    assert p.admit(["x"], fill=0.95, busy=0.0).admitted == 1  # 4th sighting meets 4
+    assert p.admit(["y"] * 1, fill=0.95, busy=0.0).admitted == 0
+
+
+def test_busy_meter_decays() -> None:
+    now = [0.0]
+    m = BusyMeter(window_s=10.0, clock=lambda: now[0])
+    m.add(5.0)
+    assert m.fraction() == pytest.approx(0.5)
+    now[0] = 5.0
+    assert m.fraction() == pytest.approx(0.25)
+    now[0] = 100.0
+    assert m.fraction() == 0.0
+
+
+def test_prefetch_gate_bounds_work_in_flight() -> None:
+    g = PrefetchGate(max_inflight_ops=2, max_inflight_tokens=1000)
+    assert g.decide(500, 100, 0, 0).admit
+    assert g.decide(50, 100, 0, 0).reason == "recompute_cheaper"
+    assert g.decide(500, math.inf, 0, 0).reason == "recompute_cheaper"
+    assert g.decide(500, 100, 2, 0).reason == "ops_budget"
+    assert g.decide(600, 100, 1, 500).reason == "token_budget"
+    assert g.decide(5000, 100, 0, 0).admit  # an idle gate takes one oversized prefetch
+    with pytest.raises(ValueError, match="max_inflight_ops"):
+        PrefetchGate(0, 10)
