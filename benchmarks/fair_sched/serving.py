@@ -1,0 +1,121 @@
+"""Benchmark helper (not library code): start a CPU SGLang server on a free port and drive it with a
+small streaming client that records TTFT, TPOT and latency per request.
+
+Used by bench_fair_sched.py and by tests/sglang/test_fair_sched_e2e.py. Prompts are token ids
+(`input_ids`), so their lengths are exact; outputs use `ignore_eos` so their lengths are too.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import aiohttp
+import requests
+
+EP_SHIM = "kllm_fair_sched_dev-0.0.dist-info"
+
+
+def entry_point_shim() -> str | None:
+    """A folder for PYTHONPATH declaring the fair_sched entry point, if the installed package
+    does not declare it yet (until it is listed in pyproject.toml)."""
+    from importlib.metadata import entry_points
+
+    if any(ep.name == "fair_sched" for ep in entry_points(group="kllm_plugins")):
+        return None
+    root = os.path.join(tempfile.gettempdir(), "kllm_fair_sched_ep")
+    info = os.path.join(root, EP_SHIM)
+    os.makedirs(info, exist_ok=True)
+    with open(os.path.join(info, "METADATA"), "w", encoding="utf-8") as fh:
+        fh.write("Metadata-Version: 2.1\nName: kllm-fair-sched-dev\nVersion: 0.0\n")
+    with open(os.path.join(info, "entry_points.txt"), "w", encoding="utf-8") as fh:
+        fh.write("[kllm_plugins]\nfair_sched = kllm_plugins.plugins.fair_sched.hookimpls\n")
+    return root
+
+
+def sglang_server(model: str, plugins: Sequence[str] = (), extra_args: Sequence[str] = (),
+                  max_total_tokens: int = 16384, env: dict[str, str] | None = None) -> Any:
+    """The host's `SGLangServer` (CPU platform, strict), with the fair_sched entry point made
+    visible to SGLang's processes when the installed package does not declare it yet."""
+    from kllm_plugins.testing.sglang_server import SGLangServer
+
+    full_env = dict(env or {})
+    shim = entry_point_shim()
+    if shim:
+        full_env["PYTHONPATH"] = os.pathsep.join(p for p in (shim, os.environ.get("PYTHONPATH", "")) if p)
+    return SGLangServer(model, plugins=plugins, extra_args=extra_args, env=full_env, max_total_tokens=max_total_tokens)
+
+
+@dataclass
+class Job:
+    rid: str
+    arrival_s: float
+    input_ids: list[int]
+    max_new_tokens: int
+    kind: str  # "short" | "long"
+
+
+@dataclass
+class Outcome:
+    rid: str
+    kind: str
+    prompt_len: int
+    arrival_s: float
+    ttft_s: float
+    latency_s: float
+    output_len: int
+    output_ids: list[int]
+    finish_reason: Any
+
+    @property
+    def tpot_s(self) -> float:
+        return (self.latency_s - self.ttft_s) / (self.output_len - 1) if self.output_len > 1 else 0.0
+
+
+async def _one(session: aiohttp.ClientSession, url: str, job: Job, t0: float) -> Outcome:
+    await asyncio.sleep(max(0.0, t0 + job.arrival_s - time.perf_counter()))
+    start = time.perf_counter()
+    payload = {
+        "input_ids": job.input_ids,
+        "sampling_params": {"max_new_tokens": job.max_new_tokens, "temperature": 0.0, "ignore_eos": True},
+        "stream": True,
+        "rid": job.rid,
+    }
+    ttft = -1.0
+    out_ids: list[int] = []
+    finish: Any = None
+    async with session.post(url + "/generate", json=payload) as resp:
+        resp.raise_for_status()
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            data = json.loads(line[5:])
+            ids = data.get("output_ids") or []
+            if ids and ttft < 0:
+                ttft = time.perf_counter() - start
+            if ids:
+                out_ids = list(ids)
+            finish = (data.get("meta_info") or {}).get("finish_reason") or finish
+    end = time.perf_counter()
+    return Outcome(job.rid, job.kind, len(job.input_ids), job.arrival_s, ttft if ttft >= 0 else end - start,
+                   end - start, len(out_ids), out_ids, finish)
+
+
+async def _run(url: str, jobs: Sequence[Job]) -> list[Outcome]:
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        t0 = time.perf_counter()
+        return list(await asyncio.gather(*(_one(session, url, j, t0) for j in jobs)))
+
+
+def run_jobs(url: str, jobs: Sequence[Job]) -> list[Outcome]:
+    return asyncio.run(_run(url, jobs))
+
+
+def stats(url: str) -> dict[str, Any]:
+    return requests.get(url + "/kllm/stats", timeout=5).json()

@@ -1,0 +1,91 @@
+"""Layer: plugin config (no SGLang import). Options of the fair_sched plugin."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kllm_plugins.plugins.fair_sched.core.quota import QuotaParams
+
+LOOP_ACTIONS = ("finish", "retract")
+
+
+@dataclass(frozen=True)
+class FairSchedConfig:
+    budget_tokens: int = 0
+    """New KV tokens per scheduler pass; 0: SGLang's --chunked-prefill-size."""
+    base_quota_tokens: int = 0
+    """Tokens a long request prefills before its first yield; 0: one budget."""
+    quota_growth: float = 1.5
+    """Quota multiplier after each yield (>= 1)."""
+    max_quota_tokens: int = 0
+    """Largest turn quota; 0: four budgets."""
+    max_yields: int = 64
+    """Yields after which a long request never yields again."""
+    long_min_share: float = 0.25
+    """Fraction of the pass budget the active long request keeps when it runs."""
+    one_chunk_tokens: int = 0
+    """Uncached prompt tokens up to which a request counts as one-chunk; 0: one budget."""
+    decode_every_chunks: int = 2
+    """While requests decode, a long prefill sits out one pass (a decode step) after this many chunks; 0: never."""
+    kv_high_watermark: float = 0.95
+    """KV usage at which admission of new requests stops (1.0: only when full)."""
+    kv_low_watermark: float = 0.85
+    """KV usage below which admission resumes."""
+    loop_min_tokens: int = 0
+    """Cut outputs whose tail repeats a short period for this many tokens; 0: off."""
+    loop_max_period: int = 8
+    """Longest repeating period (tokens) the loop detector looks for."""
+    loop_action: str = "finish"
+    """finish: end the request with a 'repetition_loop' finish reason; retract: free its KV and requeue it."""
+    publish_interval_s: float = 0.5
+    """Seconds between snapshots for /kllm/stats."""
+
+    def __post_init__(self) -> None:
+        for name in ("budget_tokens", "base_quota_tokens", "max_quota_tokens", "one_chunk_tokens", "decode_every_chunks", "loop_min_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.budget_tokens == 1:
+            raise ValueError("budget_tokens must be 0 (use SGLang's chunk size) or >= 2, got 1")
+        if not self.quota_growth >= 1.0:
+            raise ValueError(f"quota_growth must be >= 1.0, got {self.quota_growth}")
+        if self.max_quota_tokens and self.base_quota_tokens and self.max_quota_tokens < self.base_quota_tokens:
+            raise ValueError(
+                f"max_quota_tokens must be >= base_quota_tokens ({self.base_quota_tokens}), got {self.max_quota_tokens}"
+            )
+        if self.max_yields < 0:
+            raise ValueError(f"max_yields must be >= 0, got {self.max_yields}")
+        if not 0.0 < self.long_min_share <= 1.0:
+            raise ValueError(f"long_min_share must be in (0, 1], got {self.long_min_share}")
+        if not 0.0 < self.kv_high_watermark <= 1.0:
+            raise ValueError(f"kv_high_watermark must be in (0, 1], got {self.kv_high_watermark}")
+        if not 0.0 <= self.kv_low_watermark < self.kv_high_watermark:
+            raise ValueError(
+                f"kv_low_watermark must be in [0, kv_high_watermark={self.kv_high_watermark}), got {self.kv_low_watermark}"
+            )
+        if self.loop_min_tokens == 1:
+            raise ValueError("loop_min_tokens must be 0 (off) or >= 2, got 1")
+        if self.loop_max_period < 1:
+            raise ValueError(f"loop_max_period must be >= 1, got {self.loop_max_period}")
+        if self.loop_min_tokens and self.loop_max_period > self.loop_min_tokens // 2:
+            raise ValueError(
+                f"loop_max_period must be <= loop_min_tokens // 2 = {self.loop_min_tokens // 2}, got {self.loop_max_period}"
+            )
+        if self.loop_action not in LOOP_ACTIONS:
+            raise ValueError(f"loop_action must be one of {LOOP_ACTIONS}, got {self.loop_action!r}")
+        if not 0 < self.publish_interval_s <= 60:
+            raise ValueError(f"publish_interval_s must be in (0, 60], got {self.publish_interval_s}")
+
+    def quota_params(self, chunk_tokens: int, page_size: int = 1) -> QuotaParams:
+        """The policy parameters for a scheduler whose chunked-prefill size is `chunk_tokens`."""
+        budget = self.budget_tokens or chunk_tokens
+        base = self.base_quota_tokens or budget
+        return QuotaParams(
+            budget_tokens=budget,
+            base_quota_tokens=base,
+            quota_growth=self.quota_growth,
+            max_quota_tokens=max(self.max_quota_tokens or 4 * budget, base),
+            max_yields=self.max_yields,
+            long_min_share=self.long_min_share,
+            one_chunk_tokens=self.one_chunk_tokens,
+            decode_every_chunks=self.decode_every_chunks,
+            page_size=page_size,
+        )

@@ -1,0 +1,115 @@
+"""Layer: plugin core (no SGLang import). A pass-level model of SGLang's prefill admission, driven
+by `FairPolicy`, for property tests and quick what-if runs.
+
+It mirrors the engine rules the adapter relies on: the active long request is offered the
+budget first (capped by the plan's limit), waiting requests are then tried in the policy's
+order, a request that does not fit whole is truncated only when no long request is active
+(one partially prefilled request at most), and the first request that cannot be admitted
+ends the pass (SGLang's adder breaks there too). A yield to decode prefills nothing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from kllm_plugins.plugins.fair_sched.core.quota import FairPolicy, WaitingItem
+
+
+@dataclass
+class SimRequest:
+    rid: str
+    work_tokens: int
+    arrival_pass: int
+    chunks: list[int] = field(default_factory=list)
+    """Tokens prefilled for this request, one entry per pass that computed some."""
+    started_pass: int | None = None
+    done_pass: int | None = None
+    active_pass: int | None = None
+    """First pass in which it was the active long request."""
+
+    @property
+    def computed_tokens(self) -> int:
+        return sum(self.chunks)
+
+
+@dataclass
+class SimResult:
+    requests: dict[str, SimRequest]
+    passes: int
+    yields: int
+    prefilled: list[list[str]] = field(default_factory=list)
+    """Requests that computed tokens in each pass (empty for a decode yield)."""
+
+
+def simulate(
+    policy: FairPolicy,
+    arrivals: Sequence[Sequence[tuple[str, int]]],
+    decode_running: Sequence[bool],
+    max_passes: int = 100_000,
+) -> SimResult:
+    """Run until every request is prefilled. `arrivals[k]` arrive before pass k;
+    `decode_running[k % len]` says whether decode work waits in pass k."""
+    p = policy.params
+    reqs: dict[str, SimRequest] = {}
+    waiting: list[str] = []
+    seq: dict[str, int] = {}
+    k = 0
+    prefilled: list[list[str]] = []
+    while k < max_passes:
+        ran: list[str] = []
+        prefilled.append(ran)
+        if k < len(arrivals):
+            for rid, work in arrivals[k]:
+                reqs[rid] = SimRequest(rid, work, k)
+                seq[rid] = len(seq)
+                waiting.append(rid)
+        elif not waiting and policy.active is None:
+            break
+        items = [WaitingItem(r, reqs[r].work_tokens - reqs[r].computed_tokens, seq[r]) for r in waiting]
+        decode = bool(decode_running[k % len(decode_running)]) if decode_running else False
+        plan = policy.plan(items, decode)
+        budget = p.budget_tokens
+        active = policy.active
+        if plan.action == "yield" and plan.yield_to == "decode":
+            k += 1
+            continue
+        if active is not None and plan.action == "run":
+            req = reqs[active.rid]
+            if req.active_pass is None:
+                req.active_pass = k
+            cap = budget if plan.long_limit is None else min(budget, plan.long_limit)
+            take = min(req.work_tokens - req.computed_tokens, cap)
+            req.chunks.append(take)
+            ran.append(req.rid)
+            policy.record_run(req.rid, take)
+            budget -= take
+            if req.computed_tokens >= req.work_tokens:
+                req.done_pass = k
+                policy.finish_long(req.rid)
+        parked = plan.action == "yield"
+        for i in policy.order(items):
+            if budget < p.page_size:
+                break
+            rid = items[i].rid
+            req = reqs[rid]
+            need = req.work_tokens - req.computed_tokens
+            if p.ceil_page(need) <= budget:
+                take = need
+            elif policy.active is None and not parked:
+                take = budget // p.page_size * p.page_size
+            else:
+                break
+            req.chunks.append(take)
+            ran.append(rid)
+            req.started_pass = k
+            budget -= p.ceil_page(take)
+            waiting.remove(rid)
+            if take < need:
+                policy.start_long(rid, need)
+                policy.record_run(rid, take)
+                req.active_pass = k
+            else:
+                req.done_pass = k
+        k += 1
+    del prefilled[k:]
+    return SimResult(reqs, k, policy.total_yields, prefilled)

@@ -1,0 +1,89 @@
+"""Layer: hook implementations (no SGLang import). Declares the fair_sched plugin to the host."""
+from __future__ import annotations
+
+from typing import Any
+
+from kllm_plugins.hookspecs import hookimpl
+from kllm_plugins.plugins.fair_sched.config import LOOP_ACTIONS, FairSchedConfig
+from kllm_plugins.spec import OptionSpec, PatchSpec, PluginSpec
+
+ADAPTER = "kllm_plugins.plugins.fair_sched.sglang_adapter"
+_SCHED = "sglang.srt.managers.scheduler.Scheduler"
+_POLICY = "sglang.srt.managers.schedule_policy.SchedulePolicy"
+
+PATCHES: tuple[PatchSpec, ...] = (
+    PatchSpec(
+        target=f"{_SCHED}._get_new_batch_prefill_raw",
+        impl=f"{ADAPTER}:around_get_new_batch_prefill_raw",
+        kind="around",
+        why="plan each pass: the long prefill's yield (decode step or one-chunk requests, with chunked_req "
+        "detached for that pass so no inflight_middle_chunks is counted for a request not in the batch), "
+        "its chunk cap, and the KV watermark admission gate",
+        upstream="a per-pass prefill-planning hook, and parking a chunked request without the "
+        "unconditional inflight_middle_chunks increment (scheduler.py:4329)",
+    ),
+    PatchSpec(
+        target=f"{_POLICY}.calc_priority",
+        impl=f"{ADAPTER}:around_calc_priority",
+        kind="around",
+        why="admission order: one-chunk requests first, the oldest long request right after the ones that fit beside it",
+        upstream="a registry of schedule policies (--schedule-policy NAME from a plugin)",
+    ),
+    PatchSpec(
+        target=f"{_POLICY}.shortest_prefill_chunk_limit",
+        impl=f"{ADAPTER}:around_shortest_prefill_chunk_limit",
+        kind="around",
+        why="cap the continuing chunk so waiting one-chunk requests share the pass (the stock cap exists only for shortest-prefill-first)",
+        upstream="a chunk-limit hook that is not tied to one built-in policy",
+    ),
+    PatchSpec(
+        target=f"{_SCHED}.get_prefill_adder_class",
+        impl=f"{ADAPTER}:around_get_prefill_adder_class",
+        kind="around",
+        why="PrefillAdder subclass: refuse a second partially prefilled request (stock refuses it only under "
+        "shortest-prefill-first) and admit nothing while the watermark gate is closed",
+        upstream="none needed: this is SGLang's override point; a policy-neutral 'one chunked request' guard would drop the refusal",
+    ),
+    PatchSpec(
+        target="sglang.srt.managers.schedule_batch.Req.update_finish_state",
+        impl=f"{ADAPTER}:around_update_finish_state",
+        kind="around",
+        why="cut outputs caught in a repetition loop with a clear finish reason (their KV is then freed by the normal finish path)",
+        upstream="a pluggable stop-condition hook on Req",
+    ),
+)
+
+
+@hookimpl
+def kllm_declare() -> PluginSpec:
+    d = FairSchedConfig()
+    return PluginSpec(
+        name="fair_sched",
+        summary="chunk-level fair prefill scheduling (one-chunk requests first, long prefills yield with growing quotas) "
+        "and decode KV protection (watermark gate, repetition-loop cut)",
+        status="experimental",
+        options=(
+            OptionSpec("budget_tokens", int, d.budget_tokens, "new KV tokens per pass (0: --chunked-prefill-size)"),
+            OptionSpec("base_quota_tokens", int, d.base_quota_tokens, "tokens a long prefill runs before its first yield (0: one budget)"),
+            OptionSpec("quota_growth", float, d.quota_growth, "quota multiplier after each yield (>= 1)"),
+            OptionSpec("max_quota_tokens", int, d.max_quota_tokens, "largest turn quota (0: four budgets)"),
+            OptionSpec("max_yields", int, d.max_yields, "yields after which a long prefill never yields again"),
+            OptionSpec("long_min_share", float, d.long_min_share, "fraction of the pass budget the active long prefill keeps"),
+            OptionSpec("one_chunk_tokens", int, d.one_chunk_tokens, "uncached tokens up to which a request goes first (0: one budget)"),
+            OptionSpec("decode_every_chunks", int, d.decode_every_chunks, "decode step after this many long-prefill chunks while requests decode (0: never)"),
+            OptionSpec("kv_high_watermark", float, d.kv_high_watermark, "KV usage that pauses admission of new requests"),
+            OptionSpec("kv_low_watermark", float, d.kv_low_watermark, "KV usage below which admission resumes"),
+            OptionSpec("loop_min_tokens", int, d.loop_min_tokens, "cut outputs repeating a short period this long (0: off)"),
+            OptionSpec("loop_max_period", int, d.loop_max_period, "longest repeating period the loop detector looks for"),
+            OptionSpec("loop_action", str, d.loop_action, "what to do with a looping output", choices=LOOP_ACTIONS),
+            OptionSpec("publish_interval_s", float, d.publish_interval_s, "seconds between snapshots for /kllm/stats"),
+        ),
+        patches=PATCHES,
+        config_factory=FairSchedConfig,
+    )
+
+
+@hookimpl
+def kllm_validate(config: Any, enabled: list[str]) -> None:
+    if config.loop_action == "retract" and config.loop_min_tokens:
+        raise ValueError("loop_action=retract is not implemented yet; use loop_action=finish")

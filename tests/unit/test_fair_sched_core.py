@@ -1,0 +1,201 @@
+"""Unit and property tests of the fair_sched policy core (no SGLang)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kllm_plugins.plugins.fair_sched.core.quota import (
+    FairPolicy,
+    QuotaParams,
+    WaitingItem,
+    pass_bound,
+    yield_bound,
+)
+from kllm_plugins.plugins.fair_sched.core.simulate import simulate
+
+
+def params(**kw: object) -> QuotaParams:
+    base: dict[str, object] = dict(
+        budget_tokens=128, base_quota_tokens=128, quota_growth=1.5, max_quota_tokens=512,
+        max_yields=64, long_min_share=0.25, decode_every_chunks=0,
+    )
+    base.update(kw)
+    return QuotaParams(**base)  # type: ignore[arg-type]
+
+
+def test_order_puts_one_chunk_requests_first_in_arrival_order() -> None:
+    pol = FairPolicy(params())
+    pol.start_long("active", 1000)
+    waiting = [WaitingItem("L1", 900, 1), WaitingItem("s2", 60, 2), WaitingItem("L3", 400, 3), WaitingItem("s0", 128, 0)]
+    assert [waiting[i].rid for i in pol.order(waiting)] == ["s0", "s2", "L1", "L3"]
+
+
+def test_order_starts_oldest_long_beside_the_shorts_that_fit_its_minimum_share() -> None:
+    pol = FairPolicy(params())  # min share 32 tokens: shorts may take 96
+    waiting = [WaitingItem("L1", 900, 1), WaitingItem("s2", 60, 2), WaitingItem("s3", 30, 3),
+               WaitingItem("s4", 10, 4), WaitingItem("L5", 500, 5)]
+    order = [waiting[i].rid for i in pol.order(waiting)]
+    # s2 + s3 = 90 fit in 96; s4 would not fit after them, so the long goes before it.
+    assert order == ["s2", "s3", "L1", "s4", "L5"]
+
+
+def test_plan_reserves_budget_for_waiting_shorts_and_caps_the_long_chunk() -> None:
+    pol = FairPolicy(params(page_size=16))
+    pol.start_long("L", 2000)
+    plan = pol.plan([WaitingItem("a", 20, 0), WaitingItem("b", 40, 1), WaitingItem("c", 50, 2)], decode_running=False)
+    # ceil-paged charges 32 + 48 = 80 fit in 128 - 32; c (64) would exceed it.
+    assert plan.action == "run"
+    assert plan.reserved_tokens == 80
+    assert plan.long_limit == 48
+    assert pol.plan([], decode_running=False).long_limit is None
+
+
+def test_long_yields_to_blocked_shorts_only_after_its_quota() -> None:
+    pol = FairPolicy(params())
+    pol.start_long("L", 3000)
+    big = [WaitingItem("s", 120, 0)]  # cannot share: 120 > 128 - 32
+    pol.record_run("L", 64)
+    assert pol.plan(big, decode_running=False).action == "run"  # 64 < quota 128
+    pol.record_run("L", 64)
+    plan = pol.plan(big, decode_running=False)
+    assert (plan.action, plan.yield_to) == ("yield", "short")
+    assert pol.active is not None and pol.active.quota == 192 and pol.active.turn_used == 0
+
+
+def test_decode_yield_every_k_chunks_leaves_quota_alone() -> None:
+    pol = FairPolicy(params(decode_every_chunks=2))
+    pol.start_long("L", 3000)
+    pol.record_run("L", 128)
+    assert pol.plan([], decode_running=True).action == "run"
+    pol.record_run("L", 128)
+    assert pol.plan([], decode_running=False).action == "run"  # nobody decodes: no yield
+    plan = pol.plan([], decode_running=True)
+    assert (plan.action, plan.yield_to) == ("yield", "decode")
+    assert pol.active is not None and pol.active.quota == 128 and pol.active.yields == 0
+
+
+def test_quota_growth_sequence_is_capped() -> None:
+    p = params(base_quota_tokens=128, quota_growth=2.0, max_quota_tokens=1000)
+    assert [p.quota_after(i) for i in range(6)] == [128, 256, 512, 1000, 1000, 1000]
+    assert [params(quota_growth=1.0).quota_after(i) for i in range(3)] == [128, 128, 128]
+
+
+def test_yield_bound_counts_turns_until_work_is_covered() -> None:
+    p = params(base_quota_tokens=100, quota_growth=2.0, max_quota_tokens=10_000, max_yields=64)
+    # turns 100, 200, 400, 800: cumulative 100, 300, 700, 1500
+    assert yield_bound(100, p) == 0
+    assert yield_bound(101, p) == 1
+    assert yield_bound(1500, p) == 3
+    assert yield_bound(1501, p) == 4
+    assert yield_bound(10**9, params(max_yields=5)) == 5
+
+
+@pytest.mark.parametrize("bad", [
+    dict(budget_tokens=1), dict(quota_growth=0.9), dict(max_quota_tokens=64), dict(max_yields=-1),
+    dict(long_min_share=0.0), dict(long_min_share=1.5), dict(page_size=0), dict(decode_every_chunks=-1),
+])
+def test_bad_params_name_the_field(bad: dict[str, object]) -> None:
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        params(**bad)
+
+
+# -- properties (simulated engine, adversarial arrivals) ---------------------------------------------
+
+@st.composite
+def scenarios(draw: st.DrawFn) -> tuple[QuotaParams, list[list[tuple[str, int]]], list[bool]]:
+    page = draw(st.sampled_from([1, 4, 16]))
+    budget = page * draw(st.integers(2, 16))
+    base = draw(st.integers(1, 3 * budget))
+    p = QuotaParams(
+        budget_tokens=budget,
+        base_quota_tokens=base,
+        quota_growth=draw(st.sampled_from([1.0, 1.25, 1.5, 2.0, 3.0])),
+        max_quota_tokens=base + draw(st.integers(0, 4 * budget)),
+        max_yields=draw(st.integers(0, 12)),
+        long_min_share=draw(st.sampled_from([0.1, 0.25, 0.5, 1.0])),
+        decode_every_chunks=draw(st.integers(0, 3)),
+        page_size=page,
+    )
+    n_passes = draw(st.integers(1, 30))
+    arrivals: list[list[tuple[str, int]]] = []
+    rid = 0
+    for _ in range(n_passes):
+        batch = []
+        # Adversarial: a stream of one-chunk requests, some just too big to share, some longs.
+        for work in draw(st.lists(st.one_of(st.integers(1, budget), st.integers(budget + 1, 8 * budget)), max_size=3)):
+            batch.append((f"r{rid}", work))
+            rid += 1
+        arrivals.append(batch)
+    decode = draw(st.lists(st.booleans(), min_size=1, max_size=7))
+    return p, arrivals, decode
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios())
+def test_no_starvation_and_no_recompute(scn: tuple[QuotaParams, list[list[tuple[str, int]]], list[bool]]) -> None:
+    p, arrivals, decode = scn
+    pol = FairPolicy(p)
+    res = simulate(pol, arrivals, decode, max_passes=20_000)
+    assert res.passes < 20_000
+    active_spans = {}
+    for r in res.requests.values():
+        # Every request completes, and computes exactly its own tokens: a resumed long request
+        # continues from its offset (nothing recomputed, nothing skipped).
+        assert r.done_pass is not None, r
+        assert r.computed_tokens == r.work_tokens
+        assert all(c > 0 for c in r.chunks)
+        if r.active_pass is not None:
+            active_spans[r.rid] = (r.active_pass, r.done_pass)
+            # Stated starvation bound, in passes, after its first chunk (which may have been cut
+            # short when it was admitted as a one-chunk request into a partly used pass).
+            assert r.done_pass - r.active_pass + 1 <= pass_bound(r.work_tokens, p, first_chunk=r.chunks[0])
+    seq = {rid: i for i, rid in enumerate(res.requests)}
+    for r in res.requests.values():
+        start = r.active_pass if r.active_pass is not None else r.done_pass
+        assert start is not None
+        for k in range(r.arrival_pass, start):
+            if r.work_tokens > p.budget_tokens:
+                # A long request waits only behind older requests that are long or hold the single
+                # chunked slot (FCFS among them), never behind a stream of one-chunk requests.
+                assert any(
+                    seq[o.rid] < seq[r.rid] and (o.work_tokens > p.budget_tokens or o.rid in active_spans)
+                    and o.done_pass is not None and o.done_pass >= k
+                    for o in res.requests.values()
+                ), (r.rid, k)
+            else:
+                # A one-chunk request waits only while the pass went to the long request's decode
+                # yield, or to requests that arrived before it or hold the chunked slot.
+                ran = res.prefilled[k]
+                assert not ran or any(seq[o] < seq[r.rid] or o in active_spans for o in ran), (r.rid, k)
+
+
+@settings(max_examples=100, deadline=None)
+@given(scenarios())
+def test_quotas_follow_configured_growth(scn: tuple[QuotaParams, list[list[tuple[str, int]]], list[bool]]) -> None:
+    p, arrivals, decode = scn
+    pol = FairPolicy(p)
+    simulate(pol, arrivals, decode, max_passes=20_000)
+    for done in pol.finished:
+        assert done.quotas == [p.quota_after(i) for i in range(len(done.quotas))]
+        assert done.yields == len(done.quotas) - 1 <= min(p.max_yields, yield_bound(done.work_tokens, p))
+        for prev, nxt in zip(done.quotas, done.quotas[1:]):
+            assert nxt == min(p.max_quota_tokens, max(prev + 1, math.ceil(prev * p.quota_growth))) or (
+                p.quota_growth == 1.0 and nxt == prev
+            )
+
+
+def test_fair_policy_cuts_short_waits_behind_a_long_prefill() -> None:
+    """Against first-come-first-served in the same model, shorts arriving during a long prefill wait less."""
+    p = params(decode_every_chunks=2)
+    arrivals: list[list[tuple[str, int]]] = [[("L", 4000)]]
+    for i in range(30):  # one short every third pass, 40-119 tokens (some cannot share the pass)
+        arrivals += [[(f"s{i}", 40 + (i * 37) % 80)], [], []]
+    fair = simulate(FairPolicy(p), arrivals, [True])
+    fcfs_wait = 4000 // 128  # under FCFS each short waits at least until the long prefill ends
+    waits = [r.done_pass - r.arrival_pass for r in fair.requests.values() if r.rid != "L"]
+    assert max(waits) < fcfs_wait / 3
+    long_passes = fair.requests["L"].done_pass + 1
+    assert long_passes <= pass_bound(4000, p)
