@@ -110,7 +110,7 @@ def test_bad_option_is_a_one_line_startup_error() -> None:
     with pytest.raises(KllmConfigError, match="kv_low_watermark") as exc:
         _manager().build(["fair_sched"], {}, {"KLLM_FAIR_SCHED_KV_LOW_WATERMARK": "0.99"})
     assert "\n" not in str(exc.value)
-    with pytest.raises(KllmConfigError, match="loop_action"):
+    with pytest.raises(KllmConfigError, match="LOOP_ACTION.*valid choices: finish"):
         _manager().build(["fair_sched"], {}, {"KLLM_FAIR_SCHED_LOOP_ACTION": "explode"})
 
 
