@@ -81,10 +81,13 @@ def run_cases(rank: int, world: int, init_file: str, cases: list[dict[str, Any]]
                     raise AssertionError(f"{name} rank {rank} case {case}: max |out err| {err_o:.3g}, "
                                          f"max |lse err| {err_l:.3g}, tol {tol}")
             # Per-rank K/V memory: own shard plus two chunk buffers, never the whole sequence.
+            nch = case.get("chunks", 1)
             longest = max(plan.local_len(r) for r in range(world))
             per_tok = sum(p[0].numel() * p.element_size() for p in payload) if payload[0].shape[0] else 0
             if world > 1 and per_tok:
-                max_chunk = -(-longest // case.get("chunks", 1))
+                max_chunk = max(plan.chunk_len(r, nch, c) for r in range(world) for c in range(nch))
+                # Each segment's slice rounds up by at most one token.
+                assert max_chunk <= -(-longest // nch) + max(len(s) for s in plan.segments)
                 assert rstats.buffer_bytes == 2 * max_chunk * per_tok, (rstats.buffer_bytes, max_chunk, per_tok)
                 assert rstats.steps == (world - 1) * case.get("chunks", 1)
         dist.barrier()

@@ -1,7 +1,8 @@
 """Layer: ring_cp core (plain torch, no SGLang import). Ring attention for context-parallel prefill.
 
 Each rank keeps its query shard and its own K/V shard. K/V travel the ring in chunks (a shard
-is cut into `chunks_per_shard` pieces) on a chunk-interleaved schedule: at step t, with
+is cut into `chunks_per_shard` chunks, each the c-th slice of every segment so every step
+carries a proportional share of the causal work) on a chunk-interleaved schedule: at step t, with
 c, h = divmod(t, N - 1), rank r sends chunk c of shard r - h to rank r + 1 and receives chunk
 c of shard r - 1 - h from rank r - 1. A chunk is computed on in the step after it arrives and
 forwarded in that same step, so a rank holds its own shard plus two chunk buffers (the one in
@@ -121,8 +122,9 @@ def run_ring(
 ) -> None:
     """Drive the chunk-interleaved ring; `exchanger=None` runs the same compute with no transfers."""
     world, nch = plan.world, chunks_per_shard
-    ranges = [plan.chunks(s, nch) for s in range(world)]
-    max_chunk = max((hi - lo) for rr in ranges for lo, hi in rr) if world > 1 else 0
+    pieces = [plan.chunk_pieces(s, nch) for s in range(world)]
+    lens = [[sum(hi - lo for lo, hi in pc) for pc in pieces[s]] for s in range(world)]
+    max_chunk = max(n for ls in lens for n in ls) if world > 1 else 0
     bufs = [[p.new_zeros((max_chunk, *p.shape[1:])) for p in payload] for _ in range(2)]
     if exchanger is None:
         # Compute-only timing: fill the buffers with real data once so the kernels see finite values.
@@ -132,29 +134,41 @@ def run_ring(
                 t[:n].copy_(p[:n])
     stats.buffer_bytes = sum(t.numel() * t.element_size() for b in bufs for t in b) if world > 1 else 0
     stats.local_kv_bytes = sum(p.numel() * p.element_size() for p in payload)
+
+    def own_views(c: int) -> list[torch.Tensor]:
+        return [p[lo:hi] for lo, hi in pieces[rank][c] for p in payload]
+
+    def buffer_views(b: list[torch.Tensor], src: int, c: int) -> list[torch.Tensor]:
+        # The same piece boundaries as the sender's, packed back to back.
+        out, off = [], 0
+        for lo, hi in pieces[src][c]:
+            out.extend(t[off : off + hi - lo] for t in b)
+            off += hi - lo
+        return out
+
     steps = (world - 1) * nch
     prev: tuple[list[torch.Tensor], int, int] | None = None
+    prev_buf: list[torch.Tensor] = []
     cur = 0
     for t in range(steps):
         c, h = divmod(t, world - 1)
         if h == 0:
-            lo, hi = ranges[rank][c]
-            send = [p[lo:hi] for p in payload]
+            send = own_views(c)
         else:
             assert prev is not None and prev[1] == (rank - h) % world and prev[2] == c
-            send = prev[0]
+            send = buffer_views(prev_buf, prev[1], c)
         src = (rank - 1 - h) % world
-        lo, hi = ranges[src][c]
-        recv = [b[: hi - lo] for b in bufs[cur]]
+        n = lens[src][c]
+        recv_buf = [b[:n] for b in bufs[cur]]
         if exchanger is not None:
-            exchanger.start(send, recv)
+            exchanger.start(send, buffer_views(recv_buf, src, c))
         if prev is None:
             compute_own()
         else:
             compute_remote(*prev)
         if exchanger is not None:
             exchanger.wait()
-        prev = (recv, src, c)
+        prev, prev_buf = (recv_buf, src, c), recv_buf
         cur ^= 1
         stats.steps += 1
     if prev is None:
@@ -185,7 +199,6 @@ def ring_attention(
     k_loc, v_loc = kv_views(payload, layout, v_dim)
     acc = PartialAttention(q.shape[0], q.shape[1], v_loc.shape[-1], q.device)
     q_segs = plan.segments[rank]
-    ranges = [plan.chunks(s, chunks_per_shard) for s in range(plan.world)]
     remote_cache: dict[tuple[int, int], list[WorkItem]] = {}
 
     def compute_own() -> None:
@@ -196,8 +209,7 @@ def ring_attention(
     def compute_remote(tensors: Sequence[torch.Tensor], src: int, c: int) -> None:
         key = (src, c)
         if key not in remote_cache:
-            lo, hi = ranges[src][c]
-            remote_cache[key] = remote_items(q_segs, plan.segments_in(src, lo, hi), causal)
+            remote_cache[key] = remote_items(q_segs, plan.chunk_segments(src, chunks_per_shard, c), causal)
         items = remote_cache[key]
         stats.items += len(items)
         stats.per_step_items.append(len(items))

@@ -102,22 +102,34 @@ class ShardPlan:
             out.index_copy_(0, self.global_index(rank, x.device), x)
         return out
 
-    def chunks(self, rank: int, nchunks: int) -> list[tuple[int, int]]:
-        """Split `rank`'s local tokens into `nchunks` near-equal [lo, hi) ranges (some may be empty)."""
-        sizes = block_sizes(self.local_len(rank), nchunks)
-        out, lo = [], 0
-        for n in sizes:
-            out.append((lo, lo + n))
-            lo += n
+    def chunk_pieces(self, rank: int, nchunks: int) -> list[list[tuple[int, int]]]:
+        """Cut `rank`'s shard into `nchunks` chunks, each taking the c-th near-equal slice of every segment.
+
+        Returns, per chunk, the local [lo, hi) pieces that make it up, in order. Slicing every
+        segment (instead of cutting the local layout into consecutive ranges) keeps each chunk's
+        causal workload proportional to the shard's, so ring steps stay balanced across ranks.
+        """
+        out: list[list[tuple[int, int]]] = [[] for _ in range(nchunks)]
+        for s in self.segments[rank]:
+            lo = s.local
+            for c, n in enumerate(block_sizes(s.length, nchunks)):
+                if n:
+                    out[c].append((lo, lo + n))
+                lo += n
         return out
 
-    def segments_in(self, rank: int, lo: int, hi: int) -> list[Segment]:
-        """`rank`'s segments clipped to local range [lo, hi); local offsets become relative to lo."""
-        out = []
-        for s in self.segments[rank]:
-            a, b = max(lo, s.local), min(hi, s.local + s.length)
-            if a < b:
-                out.append(Segment(s.seq, s.start + (a - s.local), b - a, a - lo))
+    def chunk_len(self, rank: int, nchunks: int, c: int) -> int:
+        return sum(hi - lo for lo, hi in self.chunk_pieces(rank, nchunks)[c])
+
+    def chunk_segments(self, rank: int, nchunks: int, c: int) -> list[Segment]:
+        """Segments of chunk c of `rank`, with local offsets inside the chunk's packed buffer."""
+        out, off = [], 0
+        for lo, hi in self.chunk_pieces(rank, nchunks)[c]:
+            for s in self.segments[rank]:
+                if s.local <= lo < s.local + s.length:
+                    out.append(Segment(s.seq, s.start + (lo - s.local), hi - lo, off))
+                    break
+            off += hi - lo
         return out
 
     def causal_work(self, rank: int) -> int:

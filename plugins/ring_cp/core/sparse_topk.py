@@ -61,38 +61,47 @@ def allgather_sparse_attention(
 class TopkBuckets:
     """Each query's selections grouped by the (source rank, chunk) that holds the key.
 
-    Built once per layer: group id per selection, a stable per-row sort by group, and per-row
-    offsets, so step g reads a dense (Sq, max count in g) matrix of chunk-local key offsets.
+    Built once per layer: group id per selection, a stable per-row sort by group, per-row
+    offsets, and the largest count per (query block, group), so a ring step reads, for each
+    block of `q_chunk` queries, a dense (q_chunk, that block's max count) matrix of
+    chunk-buffer offsets, and skips blocks with no selection in the arriving chunk.
     """
 
-    def __init__(self, topk_idx: torch.Tensor, plan: ShardPlan, chunks_per_shard: int) -> None:
+    def __init__(self, topk_idx: torch.Tensor, plan: ShardPlan, chunks_per_shard: int, q_chunk: int) -> None:
         dev = topk_idx.device
-        total = plan.total
-        group_of = torch.full((total,), -1, dtype=torch.int32, device=dev)
-        local_of = torch.zeros((total,), dtype=torch.int32, device=dev)
+        group_of = torch.full((plan.total,), -1, dtype=torch.int32, device=dev)
+        local_of = torch.zeros((plan.total,), dtype=torch.int32, device=dev)
         self.ngroups = plan.world * chunks_per_shard
+        self.q_chunk = q_chunk
         for s in range(plan.world):
             gidx = plan.global_index(s, dev)
-            for c, (lo, hi) in enumerate(plan.chunks(s, chunks_per_shard)):
-                group_of[gidx[lo:hi]] = s * chunks_per_shard + c
-                local_of[gidx[lo:hi]] = torch.arange(hi - lo, dtype=torch.int32, device=dev)
+            for c, pcs in enumerate(plan.chunk_pieces(s, chunks_per_shard)):
+                off = 0
+                for lo, hi in pcs:
+                    group_of[gidx[lo:hi]] = s * chunks_per_shard + c
+                    local_of[gidx[lo:hi]] = torch.arange(off, off + hi - lo, dtype=torch.int32, device=dev)
+                    off += hi - lo
         valid = topk_idx >= 0
         safe = topk_idx.clamp(min=0).long()
         grp = torch.where(valid, group_of[safe], torch.full_like(group_of[safe], self.ngroups))
         order = torch.sort(grp, dim=1, stable=True).indices
         self.local_sorted = torch.gather(torch.where(valid, local_of[safe], -1), 1, order).to(torch.int32)
+        del order, safe
         counts = torch.zeros(topk_idx.shape[0], self.ngroups + 1, dtype=torch.int32, device=dev)
         counts.scatter_add_(1, grp.long(), torch.ones_like(grp, dtype=torch.int32))
         self.counts = counts[:, : self.ngroups]
         self.starts = (torch.cumsum(counts, dim=1) - counts)[:, : self.ngroups]
-        self.max_counts = self.counts.max(dim=0).values.tolist() if topk_idx.shape[0] else [0] * self.ngroups
+        nq = topk_idx.shape[0]
+        nblk = -(-nq // q_chunk)
+        padded = torch.zeros(nblk * q_chunk, self.ngroups, dtype=torch.int32, device=dev)
+        padded[:nq] = self.counts
+        self.block_max: list[list[int]] = padded.view(nblk, q_chunk, self.ngroups).amax(1).tolist() if nq else []
 
-    def for_group(self, g: int) -> torch.Tensor:
-        m = int(self.max_counts[g])
+    def for_group(self, g: int, lo: int, hi: int, m: int) -> torch.Tensor:
         ar = torch.arange(m, device=self.counts.device, dtype=torch.int32)
-        pos = self.starts[:, g : g + 1] + ar
-        ok = ar < self.counts[:, g : g + 1]
-        vals = torch.gather(self.local_sorted, 1, pos.clamp(max=self.local_sorted.shape[1] - 1).long())
+        pos = self.starts[lo:hi, g : g + 1] + ar
+        ok = ar < self.counts[lo:hi, g : g + 1]
+        vals = torch.gather(self.local_sorted[lo:hi], 1, pos.clamp(max=self.local_sorted.shape[1] - 1).long())
         return torch.where(ok, vals, torch.full_like(vals, -1))
 
 
@@ -104,17 +113,23 @@ def ring_sparse_attention(
     scale = scale if scale is not None else default_scale(q.shape[-1])
     v_dim = v_dim or latent.shape[-1]
     stats = stats if stats is not None else RingStats()
-    buckets = TopkBuckets(topk_idx, plan, chunks_per_shard)
+    buckets = TopkBuckets(topk_idx, plan, chunks_per_shard, q_chunk)
     acc = PartialAttention(q.shape[0], q.shape[1], v_dim, q.device)
-    own_ranges = plan.chunks(rank, chunks_per_shard)
+    own_pieces = plan.chunk_pieces(rank, chunks_per_shard)
 
     def attend(block: torch.Tensor, g: int) -> None:
-        o, l = sparse_gather_attention(q, block, buckets.for_group(g), scale, v_dim, q_chunk)
-        acc.merge(0, q.shape[0], o, l)
+        for b, lo in enumerate(range(0, q.shape[0], q_chunk)):
+            m = buckets.block_max[b][g]
+            if m == 0:
+                continue
+            hi = min(q.shape[0], lo + q_chunk)
+            o, l = sparse_gather_attention(q[lo:hi], block, buckets.for_group(g, lo, hi, m), scale, v_dim, q_chunk)
+            acc.merge(lo, hi, o, l)
 
     def compute_own() -> None:
-        for c, (lo, hi) in enumerate(own_ranges):
-            attend(latent[lo:hi], rank * chunks_per_shard + c)
+        for c, pcs in enumerate(own_pieces):
+            block = torch.cat([latent[lo:hi] for lo, hi in pcs]) if len(pcs) != 1 else latent[pcs[0][0] : pcs[0][1]]
+            attend(block, rank * chunks_per_shard + c)
 
     def compute_remote(tensors: Any, src: int, c: int) -> None:
         attend(tensors[0], src * chunks_per_shard + c)
