@@ -151,3 +151,20 @@ def test_exploration_rate_and_range() -> None:
     assert 0.25 < len(explored) / len(plans) < 0.35
     budgets = {p.budget for p in explored}
     assert min(budgets) == 0 and max(budgets) == 28
+
+
+def test_trusted_exploration_stays_near_the_optimum_and_rises_after_a_change() -> None:
+    model = OnlineStepCostModel(CostModelConfig(min_observations=4))
+    for m in range(4, 33, 2):
+        model.observe(StepFeatures(4, m, 1000), 0.004 + 0.001 * m)
+    cfg = PlannerConfig(explore_prob=0.1, recovery_explore_prob=0.6, recovery_steps=200, seed=3)
+    planner = BudgetPlanner(cfg, model)
+    survival = survival_from(np.full((4, 7), 0.8))
+    best = plan_budget(survival, lambda m: model.predict(4, m, 1000), min_len=1, max_len=8).budget
+    plans = [planner.decide(survival, 1000) for _ in range(400)]
+    explored = [p for p in plans if p is not None and p.source == "explore"]
+    assert 0.05 < len(explored) / 400 < 0.15
+    assert all(abs(p.budget - best) <= max(2, 28 // 4) for p in explored)
+    model.changes_detected += 1  # as the model does when it detects a load change
+    plans = [planner.decide(survival, 1000) for _ in range(200)]
+    assert sum(p is not None and p.source == "explore" for p in plans) / 200 > 0.45

@@ -144,3 +144,18 @@ def test_predictions_are_positive_and_finite(obs: list[tuple[int, int, int, floa
         model.observe(StepFeatures(r, m, c), y)
     p = model.predict(*probe)
     assert np.isfinite(p) and p > 0
+
+
+def test_new_context_regime_is_learned_not_mistaken_for_a_load_change() -> None:
+    model = OnlineStepCostModel()
+
+    def cost(m: int, ctx: int) -> float:
+        return 0.004 + 0.0001 * m + 3e-9 * m * ctx
+
+    for ctx in (1600, 32000, 128000):  # contexts grow: each phase is territory never seen before
+        for m in range(8, 65, 2):
+            model.observe(StepFeatures(8, m, ctx), cost(m, ctx))
+    assert model.changes_detected == 0
+    for ctx in (1600, 128000):
+        for m in (8, 64):
+            assert abs(float(model.predict(8, m, ctx)) - cost(m, ctx)) / cost(m, ctx) < 0.05

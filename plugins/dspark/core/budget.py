@@ -128,6 +128,10 @@ class PlannerConfig:
     """Probability of a random budget once the model is trusted (keeps it calibrated)."""
     warmup_explore_prob: float = 0.5
     """Probability of a random budget while the model is still learning."""
+    recovery_explore_prob: float = 0.25
+    """Probability of a perturbed budget for `recovery_steps` steps after a detected load change,
+    so the cost model re-learns the slope near the new optimum quickly."""
+    recovery_steps: int = 40
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -147,7 +151,9 @@ class PlannerConfig:
             raise ValueError(f"sla_tokens_per_s must be >= 0, got {self.sla_tokens_per_s}")
         if self.objective == "sla" and self.sla_tokens_per_s <= 0:
             raise ValueError("sla_tokens_per_s must be > 0 when objective is 'sla'")
-        for name in ("explore_prob", "warmup_explore_prob"):
+        if self.recovery_steps < 0:
+            raise ValueError(f"recovery_steps must be >= 0, got {self.recovery_steps}")
+        for name in ("explore_prob", "warmup_explore_prob", "recovery_explore_prob"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
 
@@ -159,20 +165,35 @@ class BudgetPlanner:
         self.config = config
         self.model = model
         self._rng = np.random.default_rng(config.seed)
+        self._changes_seen = 0
+        self._recovery_left = 0
 
     def decide(self, survival: np.ndarray, context_tokens: int = 0) -> BudgetPlan | None:
         """The budget for this step, or None when the model is not trusted yet and this step
-        does not explore (the caller then keeps SGLang's own decision)."""
+        does not explore (the caller then keeps SGLang's own decision).
+
+        Exploration is uniform over all budgets while warming up; once the model is trusted it
+        perturbs the optimum locally (within a quarter of the range), which is where the slope
+        matters and costs little throughput.
+        """
         survival = np.asarray(survival, dtype=np.float64)
         num_reqs, gamma = survival.shape
         lo, hi = resolve_lens(gamma, self.config.min_verify_len, self.config.max_verify_len)
         ready = self.model.ready
-        p = self.config.explore_prob if ready else self.config.warmup_explore_prob
-        if p > 0 and self._rng.random() < p:
-            return self._explore(survival, lo, hi, context_tokens)
+        if self.model.changes_detected != self._changes_seen:
+            self._changes_seen = self.model.changes_detected
+            self._recovery_left = self.config.recovery_steps
         if not ready:
-            return None
-        return plan_budget(
+            p = self.config.warmup_explore_prob
+        elif self._recovery_left > 0:
+            self._recovery_left -= 1
+            p = self.config.recovery_explore_prob
+        else:
+            p = self.config.explore_prob
+        explore = p > 0 and self._rng.random() < p
+        if not ready:
+            return self._explore(survival, lo, hi, context_tokens, None) if explore else None
+        plan = plan_budget(
             survival,
             lambda m: self.model.predict(num_reqs, m, context_tokens),
             min_len=lo,
@@ -181,10 +202,16 @@ class BudgetPlanner:
             objective=self.config.objective,
             sla_tokens_per_s=self.config.sla_tokens_per_s,
         )
+        return self._explore(survival, lo, hi, context_tokens, plan.budget) if explore else plan
 
-    def _explore(self, survival: np.ndarray, lo: int, hi: int, context_tokens: int) -> BudgetPlan:
+    def _explore(self, survival: np.ndarray, lo: int, hi: int, context_tokens: int, around: int | None) -> BudgetPlan:
         lens = verify_lens_for_budgets(survival, min_len=lo, max_len=hi, eps=self.config.survival_eps)
-        b = int(self._rng.integers(0, lens.shape[0]))
+        k = lens.shape[0] - 1
+        if around is None:
+            b = int(self._rng.integers(0, k + 1))
+        else:
+            width = max(2, k // 4)
+            b = int(np.clip(around + self._rng.integers(-width, width + 1), 0, k))
         per_req = expected_tokens(survival, lens[b : b + 1])[0]
         tokens = int(lens[b].sum())
         secs = float(self.model.predict(survival.shape[0], tokens, context_tokens)) if self.model.ready else float("nan")

@@ -52,7 +52,10 @@ class CostModelConfig:
     """Verify-token counts where the step-time slope may change."""
     token_scale: float = 64.0
     context_scale: float = 65536.0
-    ridge: float = 1e-3
+    """Feature scales (tokens): verify tokens, batch context tokens, mean context per request."""
+    mean_context_scale: float = 4096.0
+    ridge: float = 1e-6
+    """Numerical stabiliser only: larger values shrink slopes that the data excites weakly."""
     huber_k: float = 2.0
     """Residuals beyond huber_k robust sigmas get down-weighted in the fit."""
     change_run: int = 6
@@ -60,6 +63,9 @@ class CostModelConfig:
     change_sigma: float = 4.0
     change_discount: float = 0.02
     """Weight factor applied to observations older than a detected change."""
+    change_max_leverage: float = 0.3
+    """Only residuals of steps inside the data seen so far (leverage below this) can signal a
+    change; a step in a new region (a context length never seen) is extrapolation, not drift."""
     refit_every: int = 1
     """Refit after this many observations (raise it to save host time per step)."""
 
@@ -74,8 +80,9 @@ class CostModelConfig:
             raise ValueError(f"min_distinct_tokens must be >= 1, got {self.min_distinct_tokens}")
         if list(self.knots) != sorted(set(self.knots)) or any(k <= 0 for k in self.knots):
             raise ValueError(f"knots must be positive and strictly increasing, got {self.knots}")
-        if self.token_scale <= 0 or self.context_scale <= 0:
-            raise ValueError("token_scale and context_scale must be > 0")
+        for name in ("token_scale", "context_scale", "mean_context_scale"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.ridge < 0:
             raise ValueError(f"ridge must be >= 0, got {self.ridge}")
         if self.huber_k <= 0:
@@ -84,6 +91,8 @@ class CostModelConfig:
             raise ValueError(f"change_run must be >= 2, got {self.change_run}")
         if self.change_sigma <= 0:
             raise ValueError(f"change_sigma must be > 0, got {self.change_sigma}")
+        if self.change_max_leverage <= 0:
+            raise ValueError(f"change_max_leverage must be > 0, got {self.change_max_leverage}")
         if not 0 <= self.change_discount <= 1:
             raise ValueError(f"change_discount must be in [0, 1], got {self.change_discount}")
         if self.refit_every < 1:
@@ -103,6 +112,7 @@ class OnlineStepCostModel:
         self._mult: deque[float] = deque(maxlen=n)
         self._t = 0
         self._theta: np.ndarray | None = None
+        self._a_inv: np.ndarray | None = None
         self._y_unit = 1.0
         self._sigma = float("inf")
         self._run_sign = 0
@@ -128,7 +138,7 @@ class OnlineStepCostModel:
         cols = [np.ones_like(m), r / ts, m / ts]
         cols += [np.maximum(m - k, 0.0) / ts for k in cfg.knots]
         mean_c = np.where(r > 0, c / np.maximum(r, 1.0), 0.0)
-        cols += [c / cs, (m / ts) * (mean_c / cs)]
+        cols += [c / cs, (m / ts) * (mean_c / cfg.mean_context_scale)]
         return np.stack(cols, axis=-1)
 
     # -- learning -------------------------------------------------------------------------
@@ -154,20 +164,40 @@ class OnlineStepCostModel:
             return
         resid = (y - float(x @ self._theta) * self._y_unit) / self._y_unit
         sign = 1 if resid > 0 else -1
+        leverage = float(x @ self._a_inv @ x) if self._a_inv is not None else 0.0
+        if leverage > self.config.change_max_leverage:
+            return  # extrapolating: the model is ignorant here, the load need not have changed
         if abs(resid) > self.config.change_sigma * self._sigma:
             self._run_len = self._run_len + 1 if sign == self._run_sign else 1
             self._run_sign = sign
         else:
             self._run_len, self._run_sign = 0, 0
         if self._run_len >= self.config.change_run:
+            self._run_len, self._run_sign = 0, 0
+            if self._explainable_run(x, y):
+                return  # new territory the features can fit (e.g. longer contexts), not drift
             keep = self.config.change_run - 1  # the run's earlier members are already stored
             n = len(self._mult)
             for i in range(max(0, n - keep)):
                 self._mult[i] *= self.config.change_discount
             self.changes_detected += 1
-            self._run_len, self._run_sign = 0, 0
             self._since_fit = self.config.refit_every  # refit right after this observation
             logger.info("kllm dspark: verify cost shift detected (%+.1f sigma); old steps discounted", resid / self._sigma)
+
+    def _explainable_run(self, x: np.ndarray, y: float) -> bool:
+        """Would a plain weighted least-squares fit over everything, the run included, put the
+        run's steps back within change_sigma? Then the run is a region the model had not seen."""
+        run = self.config.change_run
+        X = np.vstack([np.stack(self._x), x[None, :]])
+        Y = np.append(np.asarray(self._y), y) / self._y_unit
+        age = self._t - np.append(np.asarray(self._age, dtype=np.float64), self._t)
+        w = np.power(0.5, age / self.config.half_life_steps) * np.append(np.asarray(self._mult), 1.0)
+        pen = np.full(X.shape[1], self.config.ridge * max(float(w.sum()), 1.0))
+        pen[0] = 0.0
+        Xw = X * w[:, None]
+        theta = np.linalg.lstsq(X.T @ Xw + np.diag(pen), Xw.T @ Y, rcond=None)[0]
+        resid = Y[-run:] - X[-run:] @ theta
+        return float(np.median(np.abs(resid))) < self.config.change_sigma * self._sigma
 
     def _fit(self) -> None:
         self._since_fit = 0
@@ -192,6 +222,7 @@ class OnlineStepCostModel:
             w = w0 * np.where(u <= 1.0, 1.0, 1.0 / np.maximum(u, 1e-12))
         self._theta = theta
         self._sigma = sigma
+        self._a_inv = np.linalg.pinv(X.T @ (X * w0[:, None]) + np.diag(pen))
 
     @staticmethod
     def _robust_sigma(resid: np.ndarray, weights: np.ndarray) -> float:
