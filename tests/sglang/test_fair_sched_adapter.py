@@ -1,0 +1,175 @@
+"""fair_sched adapter against real SGLang 0.5.23 objects on CPU: SchedulePolicy, PrefillAdder,
+Req and a UnifiedRadixCache (Python TreeCore), built as in SGLang's own test kit (map §9)."""
+from __future__ import annotations
+
+import os
+from array import array
+from types import SimpleNamespace
+from typing import Any, Iterator
+
+import pytest
+
+pytestmark = pytest.mark.sglang
+
+os.environ.setdefault("SGLANG_PLATFORM", "kllm_cpu")
+
+
+@pytest.fixture(scope="module")
+def env() -> Iterator[SimpleNamespace]:
+    pytest.importorskip("sglang")
+    import sglang.test.kits.unified_radix_cache.fixtures as fx
+    from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+    from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
+    from sglang.srt.sampling.sampling_params import SamplingParams
+    from sglang.test.kits.unified_radix_cache.config import CacheConfig
+
+    fx.TREE_CORE_TEST_BACKEND = "python"
+    cache, allocator, pool = fx.build_fixture(CacheConfig(kv_size=8192, max_num_reqs=16, max_context_len=8192))
+    yield SimpleNamespace(
+        cache=cache, allocator=allocator, Req=Req, ScheduleBatch=ScheduleBatch, AddReqResult=AddReqResult,
+        PrefillAdder=PrefillAdder, SchedulePolicy=SchedulePolicy, SamplingParams=SamplingParams,
+    )
+
+
+@pytest.fixture()
+def adapter(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    from kllm_plugins.plugins.fair_sched import sglang_adapter
+    from kllm_plugins.plugins.fair_sched.config import FairSchedConfig
+
+    monkeypatch.setenv("KLLM_RUN_DIR", str(tmp_path))
+    sglang_adapter.reset_for_tests()
+    sglang_adapter._state = sglang_adapter._State(FairSchedConfig(decode_every_chunks=2), 128, 1)
+    yield sglang_adapter
+    sglang_adapter.reset_for_tests()
+
+
+_next = [0]
+
+
+def make_req(env: SimpleNamespace, rid: str, n: int, arrival: float) -> Any:
+    _next[0] += 1
+    base = 1000 * _next[0]
+    req = env.Req(
+        rid=rid,
+        origin_input_text="",
+        origin_input_ids=array("q", [(base + i) % 4000 + 5 for i in range(n)]),
+        sampling_params=env.SamplingParams(temperature=0, max_new_tokens=4),
+    )
+    req.time_stats.wait_queue_entry_time = arrival
+    return req
+
+
+def new_adder(env: SimpleNamespace, cls: type, chunk: int = 128) -> Any:
+    return cls(1, env.cache, env.allocator, env.ScheduleBatch(reqs=[], batch_is_full=False), 0.5, 8192, chunk)
+
+
+def test_calc_priority_orders_a_real_waiting_queue(env: SimpleNamespace, adapter: Any) -> None:
+    policy = env.SchedulePolicy("fcfs", env.cache, False, False, False)
+    queue = [make_req(env, "L1", 900, 1.0), make_req(env, "s2", 60, 2.0), make_req(env, "s3", 100, 3.0),
+             make_req(env, "s0", 20, 0.5)]
+    adapter.around_calc_priority(env.SchedulePolicy.calc_priority, policy, queue, None)
+    # One-chunk first; the long request goes right after those that fit beside its 32-token share.
+    assert [r.rid for r in queue] == ["s0", "s2", "L1", "s3"]
+    adapter._state.policy.start_long("X", 5000)
+    adapter.around_calc_priority(env.SchedulePolicy.calc_priority, policy, queue, None)
+    assert [r.rid for r in queue] == ["s0", "s2", "s3", "L1"]
+
+
+def test_adder_refuses_a_second_partial_request_that_stock_would_truncate(env: SimpleNamespace, adapter: Any) -> None:
+    stock = new_adder(env, env.PrefillAdder)
+    req = make_req(env, "stock-long", 300, 0.0)
+    req.init_next_round_input(env.cache)
+    stock.add_one_req(req, has_chunked_req=True, truncation_align_size=None)
+    assert stock.new_chunked_req is req  # stock fcfs truncates even though a chunked request exists
+
+    fair_cls = adapter.around_get_prefill_adder_class(lambda self: env.PrefillAdder, None)
+    assert issubclass(fair_cls, env.PrefillAdder)
+    ours = new_adder(env, fair_cls)
+    req2 = make_req(env, "fair-long", 300, 0.0)
+    req2.init_next_round_input(env.cache)
+    res = ours.add_one_req(req2, has_chunked_req=True, truncation_align_size=None)
+    assert res == env.AddReqResult.OTHER and ours.new_chunked_req is None and ours.can_run_list == []
+    assert adapter._state.counters["second_truncation_refused"] == 1
+    # Without a chunked request the same kind of request is truncated and becomes the partial one.
+    req3 = make_req(env, "fair-first", 300, 0.0)
+    req3.init_next_round_input(env.cache)
+    ours.add_one_req(req3, has_chunked_req=False, truncation_align_size=None)
+    assert ours.new_chunked_req is req3 and req3.extend_end - req3.prefix_len == 128
+
+
+def test_adder_admits_nothing_while_the_watermark_gate_is_closed(env: SimpleNamespace, adapter: Any) -> None:
+    fair_cls = adapter._fair_adder(env.PrefillAdder)
+    adapter._state.admit = False
+    adder = new_adder(env, fair_cls)
+    req = make_req(env, "gated", 40, 0.0)
+    req.init_next_round_input(env.cache)
+    assert adder.add_one_req(req, has_chunked_req=False, truncation_align_size=None) == env.AddReqResult.OTHER
+    assert adder.can_run_list == []
+    adapter._state.admit = True
+    assert adder.add_one_req(req, has_chunked_req=False, truncation_align_size=None) == env.AddReqResult.CONTINUE
+    assert adder.can_run_list == [req]
+
+
+def test_chunk_limit_caps_the_continuing_chunk(env: SimpleNamespace, adapter: Any) -> None:
+    policy = env.SchedulePolicy("fcfs", env.cache, False, False, False)
+    req = make_req(env, "cont", 500, 0.0)
+    req.init_next_round_input(env.cache)
+    assert adapter.around_shortest_prefill_chunk_limit(env.SchedulePolicy.shortest_prefill_chunk_limit, policy, req, [], 128, 1) is None
+    adapter._state.long_limit = 48
+    limit = adapter.around_shortest_prefill_chunk_limit(env.SchedulePolicy.shortest_prefill_chunk_limit, policy, req, [], 128, 1)
+    assert limit == 48
+    adder = new_adder(env, adapter._fair_adder(env.PrefillAdder))
+    adder.chunked_req_limit = limit
+    assert adder.add_chunked_req(req) is req  # still unfinished after this chunk
+    assert req.extend_end - req.prefix_len == 48
+    assert adder.rem_chunk_tokens == 128 - 48  # the rest is left to one-chunk requests
+
+
+class _FakeScheduler:
+    """Only the attributes the pass planner reads; `original` stands for SGLang's batch builder."""
+
+    def __init__(self, env: SimpleNamespace, chunked: Any, waiting: list[Any]) -> None:
+        self.chunked_req = chunked
+        self.waiting_queue = waiting
+        self.chunked_prefill_size = 128
+        self.page_size = 1
+        self.max_total_num_tokens = 8192
+        self.token_to_kv_pool_allocator = env.allocator
+        self.tree_cache = env.cache
+
+
+def test_pass_planner_yields_by_detaching_the_chunked_request(env: SimpleNamespace, adapter: Any) -> None:
+    st = adapter._state
+    long_req = make_req(env, "long", 3000, 0.0)
+    long_req.init_next_round_input(env.cache)
+    st.policy.start_long("long", 3000)
+    st.policy.record_run("long", 128)
+    big_short = make_req(env, "big", 120, 1.0)  # cannot share a pass beside the long's 32 tokens
+    sched = _FakeScheduler(env, long_req, [big_short])
+    seen: list[Any] = []
+
+    def original(self: Any, prefill_delayer_single_pass: Any, running_batch: Any) -> Any:
+        seen.append((self.chunked_req, st.parked, st.long_limit))
+        return None, running_batch
+
+    running = env.ScheduleBatch(reqs=[], batch_is_full=False)
+    adapter.around_get_new_batch_prefill_raw(original, sched, prefill_delayer_single_pass=None, running_batch=running)
+    # Quota (128) used and a blocked short waits: SGLang builds this pass without the chunked request.
+    assert seen == [(None, long_req, None)]
+    assert sched.chunked_req is long_req and st.parked is None
+    assert st.counters["yields_to_short"] == 1 and st.policy.active.quota == 192
+
+    # Next pass: the long request runs again; a small short shares the pass through the chunk cap.
+    sched.waiting_queue = [make_req(env, "small", 40, 2.0)]
+    adapter.around_get_new_batch_prefill_raw(original, sched, prefill_delayer_single_pass=None, running_batch=running)
+    assert seen[-1] == (long_req, None, 88)
+
+    # With requests decoding and two chunks since the last decode step, the pass goes to decode.
+    st.policy.record_run("long", 88)
+    st.policy.record_run("long", 128)
+    decoding = make_req(env, "dec", 10, 3.0)
+    running_dec = env.ScheduleBatch(reqs=[decoding], batch_is_full=False)
+    calls = len(seen)
+    out = adapter.around_get_new_batch_prefill_raw(original, sched, prefill_delayer_single_pass=None, running_batch=running_dec)
+    assert out == (None, running_dec) and len(seen) == calls
+    assert st.counters["yields_to_decode"] == 1
