@@ -1,0 +1,60 @@
+"""Layer: hook implementations (no SGLang import). Declares the incr_prefix plugin to the host."""
+from __future__ import annotations
+
+from kllm_plugins.hookspecs import hookimpl
+from kllm_plugins.plugins.incr_prefix.config import IncrPrefixConfig
+from kllm_plugins.spec import OptionSpec, PatchSpec, PluginSpec, parse_bool
+
+ADAPTER = "kllm_plugins.plugins.incr_prefix.sglang_adapter"
+
+# SGLang internals the tail insert drives (not patched, only called); a test resolves each one.
+PYTHON_TREECORE_INTERNALS = (
+    "sglang.srt.mem_cache.unified_cache.unified_tree_core._InsertWalkState",
+    "sglang.srt.mem_cache.unified_cache.unified_tree_core._InsertPhase",
+    "sglang.srt.mem_cache.unified_cache.unified_tree_core.UnifiedTreeCore._advance_insert",
+    "sglang.srt.mem_cache.unified_cache.unified_tree_core.UnifiedTreeCore._touch_node",
+    "sglang.srt.mem_cache.unified_cache.unified_tree_core.UnifiedTreeCore._inc_hit_count_and_check",
+    "sglang.srt.mem_cache.unified_cache.unified_tree_core.UnifiedTreeCore._build_backup_kv_action",
+    "sglang.srt.mem_cache.unified_cache.unified_tree_core.UnifiedTreeCore.collect_full_device_indices",
+    "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.checkpoint_into_tree",
+    "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.on_release",
+    "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache._apply_cache_actions",
+    "sglang.srt.mem_cache.registry.create_unified_radix_cache",
+)
+
+
+@hookimpl
+def kllm_declare() -> PluginSpec:
+    return PluginSpec(
+        name="incr_prefix",
+        summary=(
+            "chunked prefill: insert only each chunk's new tail into the radix tree, resuming from "
+            "the node the previous chunk locked (select with --radix-cache-backend kllm_incremental)"
+        ),
+        status="experimental",
+        options=(
+            OptionSpec("enabled", parse_bool, True, "serve chunk checkpoints with tail-only inserts"),
+            OptionSpec(
+                "min_prefix_tokens", int, 0, "use the tail-only insert only above this protected prefix"
+            ),
+            OptionSpec("verify", parse_bool, False, "debug: re-match from the root after each tail insert"),
+            OptionSpec("publish_interval_s", float, 0.5, "seconds between counter snapshots for /kllm/stats"),
+        ),
+        patches=(
+            PatchSpec(
+                target="sglang.srt.mem_cache.registry.register_radix_cache_backend",
+                impl=f"{ADAPTER}:register_backend",
+                kind="registry",
+                why=(
+                    "UnifiedRadixCache.checkpoint_into_tree re-inserts the whole prefix from the root "
+                    "after every prefill chunk; the kllm_incremental backend builds a subclass (via "
+                    "create_unified_radix_cache(cache_class=...)) that inserts only the new tail"
+                ),
+                upstream=(
+                    "an insert-from-node entry on the TreeCore interface (both Python and Rust) and "
+                    "resume-from-last_node in checkpoint_into_tree"
+                ),
+            ),
+        ),
+        config_factory=IncrPrefixConfig,
+    )
