@@ -83,6 +83,26 @@ class _Tiers:
         self._m_prefetch = metrics.counter("kllm_kv_tiers_prefetch_decisions_total", "L3 prefetch gate decisions",
                                            ("reason",))
 
+    def start_stats(self, interval_s: float = 0.5) -> None:
+        """Publish snapshots for GET /kllm/stats from a daemon thread (only when they change)."""
+        from kllm_plugins.stats import StatsWriter
+
+        writer = StatsWriter(PLUGIN, interval_s)
+
+        def loop() -> None:
+            last: Any = None
+            while True:
+                time.sleep(interval_s)
+                try:
+                    snap = self.snapshot()
+                    if snap != last:
+                        writer.write(snap)
+                        last = snap
+                except Exception:  # never let stats kill serving
+                    logger.debug("kv_tiers stats write failed", exc_info=True)
+
+        threading.Thread(target=loop, name="kllm-kv-tiers-stats", daemon=True).start()
+
     def ensure_fetch_policy(self, bytes_per_token: int) -> FetchOrRecompute:
         with self._lock:
             if self.fetch is None:
@@ -102,7 +122,8 @@ class _Tiers:
             self.counts[what] = self.counts.get(what, 0) + n
 
     def snapshot(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"instance_id": self.instance_id, **self.counts}
+        with self._lock:
+            out: dict[str, Any] = {"instance_id": self.instance_id, **self.counts}
         if self.store is not None:
             out["store"] = self.store.stats.snapshot()
             out["store_used_bytes"] = self.store.used_bytes
@@ -162,6 +183,7 @@ class KllmFileStorage(HiCacheStorage):
         )
         t.store = self.store
         t.ensure_fetch_policy(self.page_nbytes // max(1, page_size))
+        t.start_stats()
         logger.info("kv_tiers L3 file store at %s (namespace %s, capacity %.1f GiB, %d pages adopted)",
                     self.store.folder, namespace, self.capacity_bytes / (1 << 30), len(self.store))
 

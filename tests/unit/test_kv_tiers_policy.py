@@ -136,8 +136,11 @@ def test_second_hit_admission_and_leading_run() -> None:
     assert p.admit(["p1", "p2", "p3"], fill=0.0, busy=0.0).admitted == 0  # first sighting
     a = p.admit(["p1", "p2", "p3"], fill=0.0, busy=0.0)
     assert a.admitted == 3 and a.threshold == 2
-    p.note_lookup_miss(["q1"])
-    assert p.admit(["q1", "q2"], 0.0, 0.0).admitted == 1  # q1 was wanted, q2 never seen
+    # a lookup miss counts only for pages offered before: new requests look every tail up
+    p.note_lookup_miss(["q1", "q2"])
+    assert p.admit(["q1", "q2"], 0.0, 0.0).admitted == 0
+    p.note_lookup_miss(["q1", "q2"])  # wanted again after being skipped once
+    assert p.admit(["q1", "q3"], 0.0, 0.0).admitted == 1  # q1: 3 sightings, q3: first
 
 
 def test_min_reuse_one_writes_everything_through() -> None:

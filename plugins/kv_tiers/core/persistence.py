@@ -6,6 +6,8 @@ a page is written only once it has been *seen* `min_reuse` times: stored again a
 evicted and recomputed, or looked up in L3 and missed. That is second-hit admission (as CDN
 caches do it), with the bar raised under pressure:
 
+A lookup miss counts as a sighting only for a page offered before (see `note_lookup_miss`).
+
 - capacity pressure: the store is fuller than `fill_high` (every admission evicts something);
 - bandwidth pressure: the writer was busy more than `busy_high` of the recent wall time.
 
@@ -115,9 +117,12 @@ class PersistencePolicy:
         return t
 
     def note_lookup_miss(self, keys: list[str]) -> None:
-        """Pages someone wanted from L3 and did not find: a sighting each."""
+        """Pages someone wanted from L3 and did not find: a sighting each, but only for pages
+        already seen (offered for writing before). Every new request looks its uncached tail up
+        in L3 first, so counting unknown pages would admit everything on first use."""
         for key in keys:
-            self.counter.see(key)
+            if self.counter.count(key):
+                self.counter.see(key)
 
     def admit(self, keys: list[str], fill: float, busy: float) -> Admission:
         """Record a write attempt of `keys` (a sighting each) and return the leading run to write."""
