@@ -1,0 +1,45 @@
+"""Layer: hook implementations (no SGLang import). Declares the ring_cp plugin to the host."""
+from __future__ import annotations
+
+from typing import Any
+
+from kllm_plugins.hookspecs import hookimpl
+from kllm_plugins.plugins.ring_cp.config import KERNELS, RingCPConfig
+from kllm_plugins.spec import OptionSpec, PatchSpec, PluginSpec, parse_bool
+
+ADAPTER = "kllm_plugins.plugins.ring_cp.sglang_adapter"
+
+
+@hookimpl
+def kllm_declare() -> PluginSpec:
+    return PluginSpec(
+        name="ring_cp",
+        summary="ring-attention context parallelism for long prefill (K/V chunks travel a ring, LSE merge)",
+        status="experimental",
+        options=(
+            OptionSpec("enable_ring", parse_bool, True, "use the ring for prefill CP attention (keep --cp-strategy zigzag)"),
+            OptionSpec("chunks_per_shard", int, 4, "K/V chunks per rank shard on the ring"),
+            OptionSpec("kernel", str, "auto", "block attention implementation", choices=KERNELS),
+            OptionSpec("keep_full_kv_in_pool", parse_bool, True,
+                       "still write the full K/V into each rank's pool (needed by decode, radix cache, PD)"),
+        ),
+        patches=(
+            PatchSpec(
+                target="sglang.srt.layers.cp.base.init_cp_strategy",
+                impl=f"{ADAPTER}:around_init_cp_strategy",
+                kind="around",
+                why="swap the process-wide zigzag CP strategy for RingCPStrategy; cp_strategy choices are closed",
+                upstream="a registry of CP strategies (or open --cp-strategy choices) in sglang.srt.layers.cp.base",
+            ),
+        ),
+        config_factory=RingCPConfig,
+    )
+
+
+@hookimpl
+def kllm_validate(config: Any, enabled: list[str]) -> None:
+    if isinstance(config, RingCPConfig) and config.enable_ring and not config.keep_full_kv_in_pool:
+        raise ValueError(
+            "ring_cp: keep_full_kv_in_pool=false is not supported yet: SGLang's decode, radix cache and PD "
+            "transfer read the full K/V from each CP rank's pool"
+        )
