@@ -1,6 +1,7 @@
 """Layer: hook implementations (no SGLang import). Declares the bigpd_router plugin to the host.
 
-The router is a standalone service (`kllm-router`); it patches nothing inside SGLang. Its
+The router is a standalone service (`kllm-router`). Inside SGLang it only makes Mooncake PD
+transfer usable on CPU-only hosts (see sglang_adapter). Its
 options still go through the host so they come from `--kllm-bigpd-router-*` flags,
 `KLLM_BIGPD_ROUTER_*` variables or the `bigpd_router:` section of the YAML config alike.
 """
@@ -10,7 +11,9 @@ import dataclasses
 
 from kllm_plugins.hookspecs import hookimpl
 from kllm_plugins.plugins.bigpd_router.config import POLICIES, RouterConfig
-from kllm_plugins.spec import OptionSpec, PluginSpec
+from kllm_plugins.spec import OptionSpec, PatchSpec, PluginSpec
+
+ADAPTER = "kllm_plugins.plugins.bigpd_router.sglang_adapter"
 
 _HELP = {
     "ttft_target_s": "TTFT SLO target in seconds (Load_P denominator)",
@@ -55,6 +58,16 @@ def kllm_declare() -> PluginSpec:
         summary="standalone router: global prefill/decode pools, per-request pairing, SLO Load, pool scaling",
         status="experimental",
         options=_options(),
-        patches=(),
+        patches=(
+            PatchSpec(
+                target="sglang.srt.disaggregation.mooncake.conn.MooncakeKVSender",
+                impl=f"{ADAPTER}:mooncake_cpu_indices",
+                kind="registry",
+                why="PD with Mooncake on a CPU-only host: the prefill's host-index fast path pins memory and "
+                    "records a torch.cuda.Event; clearing MooncakeKVSender.supports_host_tensor_indices (a class "
+                    "flag, not a registry) makes SGLang use its device-agnostic index path",
+                upstream="gate supports_host_tensor_indices (prefill.py _send_kv_chunk) on the KV device being CUDA",
+            ),
+        ),
         config_factory=RouterConfig,
     )

@@ -124,7 +124,11 @@ def test_load_is_max_of_pred_and_actual_over_target() -> None:
     actual.add(5.0)
     load = prefill_pool_load([a, b], actual, target_s=1.0, typical_prompt_tokens=1000)
     assert load.load == pytest.approx(5.0)
-    assert load.load_with(1) == pytest.approx(10.0) and math.isinf(load.load_with(0))
+    # floor = a lone typical request's TTFT (1 s); only the 4 s above it is shared out over instances
+    assert load.floor == pytest.approx(1.0)
+    assert load.load_with(1) == pytest.approx(1.0 + 4.0 * 2) and math.isinf(load.load_with(0))
+    assert load.load_with(4) == pytest.approx(1.0 + 4.0 / 2)
+    assert load.load_with(4, pred_only=True) == pytest.approx(1.0 + 1.0 / 2)
 
 
 def test_decode_load_grows_with_batch() -> None:
@@ -223,13 +227,19 @@ def test_affinity_wins_when_loads_are_close_and_loses_when_far() -> None:
     assert p.pick_prefill([a, b], prompt, 200).instance is a
 
 
-def test_pick_excludes_and_skips_unroutable() -> None:
+def test_pick_excludes_and_skips_unroutable_with_panic_fallback() -> None:
     p = make_picker("least_load")
     a, b = healthy("http://a:1"), healthy("http://b:1")
     b.health = Health.UNHEALTHY
     assert p.pick_prefill([a, b], "x", 1).instance is a
+    # every healthy one excluded: fall back to the unhealthy one rather than refuse
+    assert p.pick_prefill([a, b], "x", 1, exclude=frozenset({"http://a:1"})).instance is b
     with pytest.raises(NoInstance):
-        p.pick_prefill([a, b], "x", 1, exclude=frozenset({"http://a:1"}))
+        p.pick_prefill([a, b], "x", 1, exclude=frozenset({"http://a:1", "http://b:1"}))
+    a.health = Health.DRAINING
+    b.health = Health.STARTING
+    with pytest.raises(NoInstance):  # draining and starting ones are never used
+        p.pick_prefill([a, b], "x", 1)
 
 
 def test_round_robin_cycles() -> None:
@@ -282,6 +292,32 @@ def test_decider_scales_down_only_if_load_after_removal_is_low() -> None:
     acts = [d2.decide(pl(0.1, 2), 2, t).action for t in range(0, 40, 5)]
     assert acts.count("down") == 1 and acts.index("down") == 6  # at t=30
     assert d2.decide(pl(0.0, 1), 1, 1000).action == "hold"  # minimum
+
+
+def test_decider_sizes_the_step_on_predicted_load() -> None:
+    d = PoolDecider(Role.PREFILL, ScalePolicy(up_sustain_s=0, cooldown_s=0, max_instances=8))
+    # predicted load 3.0 on 2 instances, no floor: 7 would bring it under 0.9, but at most double
+    dec = d.decide(PoolLoad(pred=3.0, actual=0.0, target=1.0, instances=2), 2, 0)
+    assert dec.action == "up" and dec.count == 2
+    d = PoolDecider(Role.PREFILL, ScalePolicy(up_sustain_s=0, cooldown_s=0, max_instances=8))
+    dec = d.decide(PoolLoad(pred=1.2, actual=0.0, target=1.0, instances=4), 4, 0)
+    assert dec.action == "up" and dec.count == 2  # 1.2 * 4/5 = 0.96 > 0.9, 1.2 * 4/6 = 0.8
+    d = PoolDecider(Role.PREFILL, ScalePolicy(up_sustain_s=0, cooldown_s=0, max_instances=8))
+    # high only because of the lagging measured TTFT: one step at a time
+    dec = d.decide(PoolLoad(pred=0.5, actual=3.0, target=1.0, instances=2), 2, 0)
+    assert dec.action == "up" and dec.count == 1
+
+
+def test_decider_scales_down_a_pool_whose_floor_is_near_target() -> None:
+    policy = ScalePolicy(down_load=0.35, up_load=0.9, down_sustain_s=10, cooldown_s=0, min_instances=1)
+    d = PoolDecider(Role.DECODE, policy)
+    # idle decode: TPOT floor 0.6 of target; with one fewer instance the load stays at the floor
+    idle = PoolLoad(pred=0.6, actual=0.0, target=1.0, instances=3, floor=0.6)
+    acts = [d.decide(idle, 3, t).action for t in range(0, 15, 5)]
+    assert acts == ["hold", "hold", "down"]
+    busy = PoolLoad(pred=0.85, actual=0.0, target=1.0, instances=2, floor=0.6)
+    d = PoolDecider(Role.DECODE, policy)
+    assert all(d.decide(busy, 2, t).action == "hold" for t in range(0, 100, 5))
 
 
 def test_decider_repairs_below_minimum_immediately() -> None:

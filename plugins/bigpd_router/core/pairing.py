@@ -18,7 +18,7 @@ from typing import Sequence
 from urllib.parse import urlsplit
 
 from kllm_plugins.plugins.bigpd_router.core.prefix_tree import Prompt, PrefixTree
-from kllm_plugins.plugins.bigpd_router.core.registry import Instance
+from kllm_plugins.plugins.bigpd_router.core.registry import Health, Instance
 from kllm_plugins.plugins.bigpd_router.core.slo_load import backlog_tokens, tpot_pred
 
 KV_LOW_FREE = 0.1
@@ -40,6 +40,15 @@ class PrefillChoice:
     score: float
 
 
+def _usable(cands: Sequence[Instance], exclude: frozenset[str]) -> list[Instance]:
+    """Healthy candidates; if none is left, the unhealthy ones ("panic mode"): a health check that
+    timed out on a busy instance must not turn into a refusal of every request."""
+    healthy = [c for c in cands if c.routable and c.url not in exclude]
+    if healthy:
+        return healthy
+    return [c for c in cands if c.health is Health.UNHEALTHY and c.url not in exclude]
+
+
 def _host(url: str) -> str:
     return urlsplit(url).hostname or ""
 
@@ -52,12 +61,13 @@ class Picker:
         self.ttft_target_s = ttft_target_s
         self.tpot_target_s = tpot_target_s
         self.affinity_weight = affinity_weight
-        self._rr = itertools.count()
+        self._rr: dict[str, itertools.count[int]] = {}
         self._lock = threading.Lock()
 
-    def _round_robin(self, cands: Sequence[Instance]) -> Instance:
+    def _round_robin(self, cands: Sequence[Instance], key: str = "prefill") -> Instance:
+        """Rotation with one counter per pool, so prefill and decode picks do not interfere."""
         with self._lock:
-            i = next(self._rr)
+            i = next(self._rr.setdefault(key, itertools.count()))
         return sorted(cands, key=lambda c: c.url)[i % len(cands)]
 
     def prefill_score(self, inst: Instance, prompt_tokens: int, matched_frac: float,
@@ -77,7 +87,7 @@ class Picker:
 
     def pick_prefill(self, cands: Sequence[Instance], prompt: Prompt, prompt_tokens: int,
                      exclude: frozenset[str] = frozenset()) -> PrefillChoice:
-        cands = [c for c in cands if c.routable and c.url not in exclude]
+        cands = _usable(cands, exclude)
         if not cands:
             raise NoInstance("no routable prefill/plain instance")
         total = self.tree.blocks_of(prompt)
@@ -110,11 +120,11 @@ class Picker:
 
     def pick_decode(self, cands: Sequence[Instance], prefill: Instance | None,
                     exclude: frozenset[str] = frozenset()) -> Instance:
-        cands = [c for c in cands if c.routable and c.url not in exclude]
+        cands = _usable(cands, exclude)
         if not cands:
             raise NoInstance("no routable decode instance")
         if self.policy == "round_robin":
-            return self._round_robin(cands)
+            return self._round_robin(cands, "decode")
         return min(cands, key=lambda c: (self.decode_score(c, prefill), c.in_flight, c.url))
 
     def routed(self, prompt: Prompt, inst: Instance) -> None:

@@ -57,6 +57,8 @@ class Decision:
     reason: str
     load: float
     size: int
+    count: int = 1
+    """How many instances to add or remove."""
 
 
 @dataclass
@@ -79,29 +81,37 @@ class PoolDecider:
         p, st = self.policy, self.state
         cur = load.load
         after_down = load.load_with(size - 1)
+        # hysteresis band: never ask for less than halfway between the floor and the up threshold,
+        # or a pool whose idle latency is already near its target could never shrink
+        down_at = max(p.down_load, (min(load.floor_load, p.up_load) + p.up_load) / 2)
         st.above_since = (st.above_since if st.above_since is not None else now) if cur > p.up_load else None
-        st.below_since = (st.below_since if st.below_since is not None else now) if after_down < p.down_load else None
+        st.below_since = (st.below_since if st.below_since is not None else now) if after_down < down_at else None
         cooling = now - st.last_action < p.cooldown_s
 
-        def out(action: str, reason: str) -> Decision:
-            d = Decision(self.role, action, reason, cur, size)
+        def out(action: str, reason: str, count: int = 1) -> Decision:
+            d = Decision(self.role, action, reason, cur, size, count)
             if action != "hold":
                 st.last_action = now
                 st.above_since = st.below_since = None
             return d
 
         if size < p.min_instances:
-            return out("up", f"size {size} below minimum {p.min_instances}")
+            return out("up", f"size {size} below minimum {p.min_instances}", p.min_instances - size)
         if size > p.max_instances:
-            return out("down", f"size {size} above maximum {p.max_instances}")
+            return out("down", f"size {size} above maximum {p.max_instances}", size - p.max_instances)
         if cooling:
             return out("hold", "cool-down")
         if st.above_since is not None and now - st.above_since >= p.up_sustain_s:
             if size >= p.max_instances:
                 return out("hold", f"load {cur:.2f} high but at maximum {p.max_instances}")
-            return out("up", f"load {cur:.2f} > {p.up_load} for {now - st.above_since:.0f}s")
+            # size the step on the prediction (the measured part lags behind earlier additions):
+            # the smallest n whose predicted load is under the threshold, at most doubling
+            want = size + 1
+            while want < min(p.max_instances, 2 * max(size, 1)) and load.load_with(want, pred_only=True) > p.up_load:
+                want += 1
+            return out("up", f"load {cur:.2f} > {p.up_load} for {now - st.above_since:.0f}s", want - size)
         if st.below_since is not None and now - st.below_since >= p.down_sustain_s and size > p.min_instances:
-            return out("down", f"load with {size - 1} would be {after_down:.2f} < {p.down_load}")
+            return out("down", f"load with {size - 1} would be {after_down:.2f} < {down_at:.2f}")
         return out("hold", f"load {cur:.2f}")
 
 
@@ -156,13 +166,16 @@ class ScalingController:
         for role, decider in self.deciders.items():
             d = decider.decide(self.pool_load(role), self.size(role), now)
             if d.action == "up":
-                url = self.actuator.add(role)
-                if url is not None and url not in self.registry:
-                    self.registry.add(Instance(url=url, role=role, managed=True))
-                log.info("scale up role=%s reason=%s url=%s", role.value, d.reason, url)
+                for _ in range(d.count):
+                    url = self.actuator.add(role)
+                    if url is not None and url not in self.registry:
+                        self.registry.add(Instance(url=url, role=role, managed=True))
+                    log.info("scale up role=%s reason=%s url=%s", role.value, d.reason, url)
             elif d.action == "down":
-                victim = self.pick_victim(role)
-                if victim is not None:
+                for _ in range(d.count):
+                    victim = self.pick_victim(role)
+                    if victim is None:
+                        break
                     self.registry.start_drain(victim.url, now)
                     log.info("scale down role=%s reason=%s drain=%s", role.value, d.reason, victim.url)
             made.append(d)

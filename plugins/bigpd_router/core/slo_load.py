@@ -112,16 +112,31 @@ class PoolLoad:
     actual: float
     target: float
     instances: int
+    floor: float = 0.0
+    """The part of the latency more instances cannot remove (a lone request's TTFT or TPOT)."""
 
     @property
     def load(self) -> float:
         return max(self.pred, self.actual) / self.target
 
-    def load_with(self, n: int) -> float:
-        """Load as it would be if the pool had `n` instances carrying the same work."""
+    @property
+    def pred_load(self) -> float:
+        return self.pred / self.target
+
+    @property
+    def floor_load(self) -> float:
+        return self.floor / self.target
+
+    def load_with(self, n: int, pred_only: bool = False) -> float:
+        """Load if the pool had `n` instances for the same work: only the part above the floor
+        (queueing, batching) is shared out over the instances."""
         if n <= 0:
             return math.inf
-        return self.load * self.instances / n if self.instances else self.load
+        cur = self.pred if pred_only else max(self.pred, self.actual)
+        if not self.instances:
+            return cur / self.target
+        floor = min(self.floor, cur)
+        return (floor + (cur - floor) * self.instances / n) / self.target
 
 
 def prefill_pool_load(members: Iterable[Instance], actual: WindowStat, target_s: float,
@@ -131,7 +146,8 @@ def prefill_pool_load(members: Iterable[Instance], actual: WindowStat, target_s:
     if not members:
         return PoolLoad(pred=0.0, actual=actual.mean(), target=target_s, instances=0)
     pred = sum(ttft_pred(m, typical_prompt_tokens) for m in members) / len(members)
-    return PoolLoad(pred=pred, actual=actual.mean(), target=target_s, instances=len(members))
+    floor = sum(typical_prompt_tokens / max(m.prefill_rate.value, 1e-6) for m in members) / len(members)
+    return PoolLoad(pred=pred, actual=actual.mean(), target=target_s, instances=len(members), floor=floor)
 
 
 def decode_pool_load(members: Iterable[Instance], actual: WindowStat, target_s: float) -> PoolLoad:
@@ -141,7 +157,8 @@ def decode_pool_load(members: Iterable[Instance], actual: WindowStat, target_s: 
         return PoolLoad(pred=0.0, actual=actual.mean(), target=target_s, instances=0)
     busy = [m for m in members if decode_batch(m) > 0]
     pred = sum(tpot_pred(m) for m in busy) / len(members) if busy else 0.0
-    return PoolLoad(pred=pred, actual=actual.mean(), target=target_s, instances=len(members))
+    floor = sum(m.tpot.value * batch_factor(1) for m in members) / len(members)
+    return PoolLoad(pred=pred, actual=actual.mean(), target=target_s, instances=len(members), floor=floor)
 
 
 class TokenEstimator:

@@ -517,7 +517,8 @@ class Router:
     # ------------------------------------------------------------------ background loops
     async def _health_loop(self) -> None:
         assert self.session is not None
-        timeout = aiohttp.ClientTimeout(total=max(1.0, min(5.0, self.cfg.health_interval_s)))
+        # generous on purpose: a busy instance answers /health late, and a false "down" costs more
+        timeout = aiohttp.ClientTimeout(total=max(5.0, self.cfg.health_interval_s))
 
         async def check(inst: Instance) -> None:
             assert self.session is not None

@@ -1,0 +1,203 @@
+"""Scaling on a shifting trace: fixed xPyD groups against global pools with the controller.
+
+SIMULATION (clearly labelled): a time-stepped model of prefill instances (FIFO, fixed token
+rate) and decode instances (batched; TPOT grows with the batch), fed a trace whose
+input/output mix shifts from decode-heavy to prefill-heavy and back. The pools setup uses the
+plugin's own controller logic (`PoolDecider` with SLO Load = max(pred, actual) / target) and
+pays a start-up delay per added instance; the fixed setup scales nothing. Reports SLO
+attainment (TTFT and TPOT both within target) and instance-seconds.
+
+    python benchmarks/bigpd_router/bench_scaling_sim.py --groups 2 3 4
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import random
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from kllm_plugins.plugins.bigpd_router.core.registry import Role
+from kllm_plugins.plugins.bigpd_router.core.scaling import PoolDecider, ScalePolicy
+from kllm_plugins.plugins.bigpd_router.core.slo_load import PoolLoad
+
+PREFILL_TOK_S = 8000.0   # prompt tokens per second per prefill instance
+TPOT0 = 0.02             # seconds per token of a lone decode request
+KNEE = 16.0              # batch size that doubles the decode step
+TTFT_TARGET = 2.0
+TPOT_TARGET = 0.05
+DT = 0.05
+
+
+@dataclass
+class Req:
+    t: float
+    inp: int
+    out: int
+    done_prefill: float | None = None
+    done: float | None = None
+    made: float = 0.0
+    left: int = 0
+
+
+@dataclass
+class Inst:
+    role: Role
+    ready_at: float
+    queue: collections.deque = field(default_factory=collections.deque)  # type: ignore[type-arg]
+    batch: list[Req] = field(default_factory=list)
+    draining: bool = False
+    group: int = -1
+
+    def backlog(self) -> int:
+        return sum(r.left for r in self.queue)
+
+
+def trace(seed: int, duration: float) -> list[Req]:
+    """Three phases: chat-like (short in, long out), document-like (long in, short out), mixed and quieter."""
+    rng = random.Random(seed)
+    out: list[Req] = []
+    t = 0.0
+    while t < duration:
+        phase = int(3 * t / duration)
+        rate = (6.0, 3.0, 2.0)[phase]
+        t += rng.expovariate(rate)
+        if phase == 0:
+            inp, o = rng.randint(200, 800), rng.randint(100, 300)
+        elif phase == 1:
+            inp, o = rng.randint(2000, 6000), rng.randint(10, 40)
+        else:
+            inp, o = rng.randint(500, 2000), rng.randint(50, 150)
+        out.append(Req(t, inp, o, left=inp))
+    return out
+
+
+def simulate(reqs: list[Req], setup: str, groups: int, start_delay: float, policy: ScalePolicy,
+             initial: int = 2) -> dict[str, Any]:
+    insts: list[Inst] = []
+    if setup == "fixed":
+        for g in range(groups):
+            insts += [Inst(Role.PREFILL, 0.0, group=g), Inst(Role.DECODE, 0.0, group=g)]
+    else:
+        insts += [Inst(Role.PREFILL, 0.0) for _ in range(initial)]
+        insts += [Inst(Role.DECODE, 0.0) for _ in range(initial)]
+    deciders = {r: PoolDecider(r, policy) for r in (Role.PREFILL, Role.DECODE)}
+    ttft_recent: dict[Role, collections.deque] = {r: collections.deque() for r in Role}  # type: ignore[type-arg]
+    pending = collections.deque(sorted(reqs, key=lambda r: r.t))
+    now, inst_seconds, next_ctl = 0.0, 0.0, 0.0
+    end = reqs[-1].t + 120.0
+    timeline: list[tuple[float, int, int]] = []
+    while now < end and (pending or any(i.queue or i.batch for i in insts)):
+        live = [i for i in insts if i.ready_at <= now]
+        while pending and pending[0].t <= now:
+            r = pending.popleft()
+            pre = [i for i in live if i.role is Role.PREFILL and not i.draining]
+            if setup == "fixed":
+                # a fair group router: least prefill backlog, then least decode batch
+                g = min(range(groups), key=lambda g: (sum(i.backlog() for i in pre if i.group == g),
+                                                      sum(len(i.batch) for i in live if i.group == g)))
+                target = next(i for i in pre if i.group == g)
+            else:
+                target = min(pre, key=lambda i: i.backlog())
+            target.queue.append(r)
+        for i in live:
+            if i.role is Role.PREFILL:
+                budget = PREFILL_TOK_S * DT
+                while i.queue and budget > 0:
+                    r = i.queue[0]
+                    step = min(budget, r.left)
+                    r.left -= int(step) if step < r.left else r.left
+                    budget -= step
+                    if r.left <= 0:
+                        i.queue.popleft()
+                        r.done_prefill = now
+                        ttft_recent[Role.PREFILL].append((now, now - r.t))
+                        dec = [d for d in live if d.role is Role.DECODE and not d.draining and
+                               (setup != "fixed" or d.group == i.group)]
+                        min(dec, key=lambda d: len(d.batch)).batch.append(r)
+            else:
+                if i.batch:
+                    tpot = TPOT0 * (1 + len(i.batch) / KNEE)
+                    for r in list(i.batch):
+                        r.made += DT / tpot
+                        if r.made >= r.out:
+                            r.done = now
+                            i.batch.remove(r)
+        inst_seconds += DT * len(insts)  # starting instances cost too
+        if setup == "pools" and now >= next_ctl:
+            next_ctl = now + 5.0
+            for role in (Role.PREFILL, Role.DECODE):
+                members = [i for i in insts if i.role is role and not i.draining]
+                q = ttft_recent[Role.PREFILL]
+                while q and q[0][0] < now - 30:
+                    q.popleft()
+                ready = members  # starting instances count, with no work yet, as in the router
+                if role is Role.PREFILL:
+                    pred = sum(i.backlog() + 2000 for i in ready) / len(ready) / PREFILL_TOK_S
+                    actual = sum(v for _, v in q) / len(q) if q else 0.0
+                    load = PoolLoad(pred, actual, TTFT_TARGET, len(members), floor=2000 / PREFILL_TOK_S)
+                else:
+                    pred = sum(TPOT0 * (1 + (len(i.batch) + 1) / KNEE) for i in ready) / len(ready)
+                    load = PoolLoad(pred, 0.0, TPOT_TARGET, len(members), floor=TPOT0 * (1 + 1 / KNEE))
+                d = deciders[role].decide(load, len(members), now)
+                if d.action == "up":
+                    insts += [Inst(role, now + start_delay) for _ in range(d.count)]
+                elif d.action == "down":
+                    victim = min((i for i in members if i.ready_at <= now), key=lambda i: len(i.batch) + len(i.queue))
+                    victim.draining = True
+            insts = [i for i in insts if not (i.draining and not i.queue and not i.batch)]
+        timeline.append((now, sum(1 for i in insts if i.role is Role.PREFILL),
+                         sum(1 for i in insts if i.role is Role.DECODE)))
+        now += DT
+    ok = 0
+    for r in reqs:
+        if r.done is None or r.done_prefill is None:
+            continue
+        ttft = r.done_prefill - r.t
+        tpot = (r.done - r.done_prefill) / max(1, r.out - 1)
+        ok += ttft <= TTFT_TARGET and tpot <= TPOT_TARGET
+    peak = max(p + d for _, p, d in timeline)
+    return {"setup": setup, "simulated": True, "groups": groups if setup == "fixed" else None,
+            "slo_attainment": round(ok / len(reqs), 4), "instance_seconds": round(inst_seconds, 1),
+            "peak_instances": peak}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--groups", type=int, nargs="+", default=[2, 3, 4])
+    ap.add_argument("--duration-s", type=float, default=900.0)
+    ap.add_argument("--start-delay-s", type=float, default=10.0)
+    ap.add_argument("--cooldown-s", type=float, default=40.0)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    ap.add_argument("--out", default="benchmarks/results/bigpd_router_scaling_sim.json")
+    args = ap.parse_args()
+    policy = ScalePolicy(up_load=0.8, down_load=0.35, up_sustain_s=10, down_sustain_s=60, cooldown_s=args.cooldown_s,
+                         min_instances=1, max_instances=8, drain_timeout_s=120)
+    rows = []
+    for seed in args.seeds:
+        reqs = trace(seed, args.duration_s)
+        for g in args.groups:
+            rows.append(dict(simulate([Req(r.t, r.inp, r.out, left=r.inp) for r in reqs], "fixed", g,
+                                      args.start_delay_s, policy), seed=seed))
+        rows.append(dict(simulate([Req(r.t, r.inp, r.out, left=r.inp) for r in reqs], "pools", 0,
+                                  args.start_delay_s, policy), seed=seed))
+        for r in rows[-len(args.groups) - 1:]:
+            print(json.dumps(r))
+    print("\nSIMULATION  setup        SLO attainment (median)  instance-seconds (median)")
+    keys = [("fixed", g) for g in args.groups] + [("pools", None)]
+    for setup, g in keys:
+        sel = [r for r in rows if r["setup"] == setup and r["groups"] == g]
+        att = sorted(r["slo_attainment"] for r in sel)[len(sel) // 2]
+        ins = sorted(r["instance_seconds"] for r in sel)[len(sel) // 2]
+        name = f"fixed {g}x(1P1D)" if setup == "fixed" else "pools+controller"
+        print(f"            {name:<18} {att:>10.3f}            {ins:>12.0f}")
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w", encoding="utf-8") as fh:
+        json.dump({"command": " ".join(["python", *sys.argv]), "scaling": rows}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

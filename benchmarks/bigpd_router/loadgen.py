@@ -1,0 +1,116 @@
+"""Benchmark helper: open-loop and closed-loop HTTP load generators and process helpers."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from typing import Any, Sequence
+
+import aiohttp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def spawn(cmd: Sequence[str], log_path: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    out = open(log_path, "wb")  # noqa: SIM115 - the child keeps it
+    return subprocess.Popen(list(cmd), stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, **(env or {})})
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=15)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def wait_http(url: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status < 500:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(url)
+
+
+def quantile(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    ys = sorted(xs)
+    return ys[min(len(ys) - 1, int(q * len(ys)))]
+
+
+async def one(s: aiohttp.ClientSession, url: str, body: dict[str, Any], stream: bool) -> tuple[float, float, bool]:
+    """(ttft, total) seconds and success for one request; ttft = first body byte."""
+    t0 = time.perf_counter()
+    try:
+        async with s.post(url, json=body) as r:
+            ttft = None
+            async for _ in r.content.iter_any():
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+            ok = r.status == 200
+    except aiohttp.ClientError:
+        return float("nan"), float("nan"), False
+    total = time.perf_counter() - t0
+    return (ttft if ttft is not None else total), total, ok
+
+
+async def open_loop(url: str, body: dict[str, Any], rate: float, duration_s: float,
+                    stream: bool = False) -> dict[str, Any]:
+    """Poisson-free fixed-interval arrivals at `rate` for `duration_s`; latencies of all requests."""
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=60)) as s:
+        tasks = []
+        t0 = time.perf_counter()
+        n = int(rate * duration_s)
+        for i in range(n):
+            target = t0 + i / rate
+            delay = target - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(s, url, body, stream)))
+        res = await asyncio.gather(*tasks)
+        elapsed = time.perf_counter() - t0
+    lat = [t for _, t, ok in res if ok]
+    return {"n": n, "ok": len(lat), "achieved_rps": len(lat) / elapsed, "p50": quantile(lat, 0.5),
+            "p99": quantile(lat, 0.99)}
+
+
+async def closed_loop(url: str, body: dict[str, Any], concurrency: int, duration_s: float) -> float:
+    """Completed requests per second with `concurrency` clients looping for `duration_s`."""
+    done = 0
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=60)) as s:
+        end = time.perf_counter() + duration_s
+
+        async def worker() -> None:
+            nonlocal done
+            while time.perf_counter() < end:
+                _, _, ok = await one(s, url, body, False)
+                done += ok
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return done / (time.perf_counter() - t0)
+
+
+def py() -> str:
+    return sys.executable
