@@ -178,8 +178,8 @@ class KllmFileStorage(HiCacheStorage):
         self.store = FilePageStore(
             self.root, namespace, self.capacity_bytes, fsync=t.cfg.fsync, shared=True,
             on_transfer=self._on_transfer,
-            on_store=lambda k: t.events.record("stored", "DISK", [k]) if t.events else None,
-            on_remove=lambda k: t.events.record("removed", "DISK", [k]) if t.events else None,
+            on_store=lambda k: t.events.record("stored", "DISK", [k]) if t.events is not None else None,
+            on_remove=lambda k: t.events.record("removed", "DISK", [k]) if t.events is not None else None,
         )
         t.store = self.store
         t.ensure_fetch_policy(self.page_nbytes // max(1, page_size))

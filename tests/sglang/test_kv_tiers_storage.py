@@ -1,0 +1,163 @@
+"""kv_tiers' HiCache storage backend against SGLang's real HiCacheStorage API (no server).
+
+The host pool is a stand-in exposing what the backend reads (`get_dummy_flat_data_page`,
+`page_size`, `layout`); keys, values and call shapes are HiCache's generic page path
+(`batch_exists` / `batch_get` into flat page buffers / `batch_set` of page tensors).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.sglang
+
+PAGE_ELEMS = 2 * 4 * 16 * 2 * 8  # kv x layers x page tokens x heads x head_dim
+
+
+class _HostPool:
+    page_size = 16
+    layout = "layer_first"
+
+    def get_dummy_flat_data_page(self) -> torch.Tensor:
+        return torch.zeros(PAGE_ELEMS, dtype=torch.bfloat16)
+
+
+def _config(model: str = "tiny-llama", extra: dict[str, Any] | None = None) -> Any:
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
+    return HiCacheStorageConfig(
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
+        enable_storage_metrics=False, is_page_first_layout=False, model_name=model, extra_config=extra,
+    )
+
+
+@pytest.fixture()
+def backend_factory(tmp_path, monkeypatch):
+    from kllm_plugins.plugins.kv_tiers import sglang_adapter
+
+    def make(model: str = "tiny-llama", **extra: Any) -> Any:
+        monkeypatch.setattr(sglang_adapter, "_tiers", None)  # fresh per-process state
+        cfg = {"backend_name": "kllm_file", "module_path": sglang_adapter.__name__,
+               "class_name": "KllmFileStorage", "store_dir": str(tmp_path), **extra}
+        b = sglang_adapter.KllmFileStorage(_config(model, cfg), {})
+        b.register_mem_pool_host(_HostPool())
+        return b
+
+    return make
+
+
+def _pages(n: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(PAGE_ELEMS, generator=g).to(torch.bfloat16) for _ in range(n)]
+
+
+def _keys(n: int, tag: str) -> list[str]:
+    import hashlib
+
+    return [hashlib.sha256(f"{tag}{i}".encode()).hexdigest() for i in range(n)]
+
+
+def test_dynamic_factory_builds_the_backend(tmp_path) -> None:
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    from kllm_plugins.plugins.kv_tiers.sglang_adapter import KllmFileStorage
+
+    extra = {"backend_name": "kllm_file", "module_path": "kllm_plugins.plugins.kv_tiers.sglang_adapter",
+             "class_name": "KllmFileStorage", "store_dir": str(tmp_path)}
+    b = StorageBackendFactory.create_backend("dynamic", _config(extra=extra), _HostPool())
+    assert isinstance(b, KllmFileStorage)
+
+
+def test_second_offer_is_written_and_read_back(backend_factory) -> None:
+    b = backend_factory(min_reuse=2)
+    keys, pages = _keys(4, "a"), _pages(4, 0)
+    assert b.batch_set(keys, pages)  # first offer: skipped, not an error
+    assert b.batch_exists(keys) == 0
+    assert b.batch_set(keys, pages)  # second offer: written
+    assert b.batch_exists(keys) == 4
+    dst = [torch.empty(PAGE_ELEMS, dtype=torch.bfloat16) for _ in keys]
+    got = b.batch_get(keys, dst)
+    assert all(g is d for g, d in zip(got, dst))
+    for d, p in zip(dst, pages):
+        assert torch.equal(d, p)
+    snap = b.t.snapshot()
+    assert snap["pages_skipped"] == 4 and snap["pages_admitted"] == 4
+
+
+def test_corrupt_page_is_a_miss_and_ends_the_prefix(backend_factory) -> None:
+    b = backend_factory(min_reuse=1)
+    keys, pages = _keys(3, "c"), _pages(3, 1)
+    assert b.batch_set(keys, pages)
+    path = b.store.path_of(keys[1])
+    raw = bytearray(open(path, "rb").read())
+    raw[-3] ^= 0xFF
+    open(path, "wb").write(bytes(raw))
+    dst = [torch.empty(PAGE_ELEMS, dtype=torch.bfloat16) for _ in keys]
+    got = b.batch_get(keys, dst)
+    assert got[0] is dst[0] and got[1] is None and got[2] is None
+    assert b.store.stats.faults["corrupt"] == 1
+    assert b.batch_exists(keys) == 1  # the bad page is gone
+
+
+def test_pages_of_another_model_are_not_served(backend_factory, tmp_path) -> None:
+    a = backend_factory("model-a", min_reuse=1)
+    keys, pages = _keys(2, "m"), _pages(2, 2)
+    assert a.batch_set(keys, pages)
+    b = backend_factory("model-b", min_reuse=1)
+    assert b.store.folder != a.store.folder
+    assert b.batch_exists(keys) == 0
+    # even when copied where model-b looks, the header names model-a's namespace
+    os.makedirs(b.store.folder, exist_ok=True)
+    for k in keys:
+        with open(a.store.path_of(k), "rb") as src, open(b.store.path_of(k), "wb") as dst:
+            dst.write(src.read())
+    dst_pages = [torch.empty(PAGE_ELEMS, dtype=torch.bfloat16) for _ in keys]
+    assert b.batch_get(keys, dst_pages) == [None, None]
+    assert b.store.stats.faults["foreign"] == 1
+
+
+def test_tier_events_reach_sglang_event_types(backend_factory) -> None:
+    import msgspec
+    from sglang.srt.disaggregation.kv_events import BlockStored, KVEventBatch
+
+    from kllm_plugins.plugins.kv_tiers.sglang_adapter import to_sglang_event
+
+    b = backend_factory(min_reuse=1, instance_id="inst-1")
+    keys = _keys(2, "e")
+    assert b.batch_set(keys, _pages(2, 3))
+    events = [to_sglang_event(e) for e in b.t.events.take()]
+    assert len(events) == 1
+    ev = events[0]
+    assert isinstance(ev, BlockStored) and ev.medium == "DISK" and ev.instance_id == "inst-1"
+    # wire: SGLang's decoder reads the extended event as a plain BlockStored
+    wire = msgspec.msgpack.encode(KVEventBatch(ts=1.0, events=events))
+    raw = msgspec.msgpack.decode(wire)
+    plain = msgspec.msgpack.decode(msgspec.msgpack.encode(raw[1][0]), type=BlockStored)
+    assert plain.medium == "DISK" and len(plain.block_hashes) == 2
+    assert raw[1][0]["instance_id"] == "inst-1" and raw[1][0]["storage_keys"] == keys
+
+
+def test_publisher_registers_and_stamps_instance_id(backend_factory) -> None:
+    from sglang.srt.disaggregation.kv_events import BlockStored, EventPublisherFactory, KVEventBatch
+
+    from kllm_plugins.plugins.kv_tiers import sglang_adapter
+
+    backend_factory(instance_id="inst-2")
+    check = sglang_adapter.register_publisher()
+    assert check() and sglang_adapter.register_publisher()()  # idempotent
+    pub = EventPublisherFactory.create('{"publisher": "kllm_tiers", "endpoint": "inproc://kvt-test"}')
+    try:
+        sent: list[Any] = []
+        queue = pub._event_queue
+        queue_put = queue.put
+        queue.put = lambda item, *a, **k: sent.append(item)  # capture instead of sending
+        ev = BlockStored(block_hashes=[1], parent_block_hash=None, token_ids=[1], block_size=1, lora_id=None, medium="GPU")
+        pub.publish(KVEventBatch(ts=0.0, events=[ev]))
+        queue.put = queue_put
+        assert sent and sent[0].events[0].instance_id == "inst-2" and sent[0].events[0].medium == "GPU"
+        assert sent[0].events[0].block_hashes == [1]
+    finally:
+        pub.shutdown()
