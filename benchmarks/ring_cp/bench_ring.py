@@ -220,9 +220,9 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, out_file
                 idx[lo:hi] = (r * (pos[lo:hi, None] + 1).float()).long().clamp(max=tokens - 1).to(torch.int32)
             rs, gs = RingStats(), GatherStats()
             ring = lambda: ring_sparse_attention(q, lat, idx, plan, rank, scale=1 / math.sqrt(sd),
-                                                 chunks_per_shard=args.chunks, stats=rs, q_chunk=args.q_chunk)
+                                                 chunks_per_shard=args.chunks, stats=rs, q_chunk=args.ring_q_chunk)
             comp = lambda: ring_sparse_attention(q, lat, idx, plan, rank, scale=1 / math.sqrt(sd),
-                                                 chunks_per_shard=args.chunks, comm=False, q_chunk=args.q_chunk)
+                                                 chunks_per_shard=args.chunks, comm=False, q_chunk=args.ring_q_chunk)
             ag = lambda: allgather_sparse_attention(q, lat, idx, plan, rank, scale=1 / math.sqrt(sd), stats=gs,
                                                     q_chunk=args.q_chunk)
             ring_ms, _ = _timed(ring, 2)
@@ -232,7 +232,8 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, out_file
                   "latent_dim": sd, "allgather_ms": round(ag_ms, 3), "ring_ms": round(ring_ms, 3),
                   "compute_only_ms": round(comp_ms, 3), "speedup": round(ag_ms / ring_ms, 4),
                   "peak_kv_bytes_per_rank": rs.peak_kv_bytes, "allgather_peak_kv_bytes_per_rank": gs.peak_kv_bytes,
-                  "full_kv_bytes": tokens * sd * 2, "kernel": "torch_gather"}
+                  "full_kv_bytes": tokens * sd * 2, "kernel": "torch_gather",
+                  "q_chunk_allgather": args.q_chunk, "q_chunk_ring": args.ring_q_chunk}
             log(f"[sparse] tokens={tokens} topk={args.topk}: allgather {ag_ms:.1f} ms  ring {ring_ms:.1f} ms  "
                 f"compute-only {comp_ms:.1f} ms  ratio {pt['speedup']:.3f}")
             points.append(pt)
@@ -261,7 +262,8 @@ def main() -> None:
     ap.add_argument("--sparse-heads", type=int, default=16)
     ap.add_argument("--sparse-dim", type=int, default=512)
     ap.add_argument("--topk", type=int, default=2048)
-    ap.add_argument("--q-chunk", type=int, default=1024)
+    ap.add_argument("--q-chunk", type=int, default=1024, help="query block of the all-gather sparse path")
+    ap.add_argument("--ring-q-chunk", type=int, default=1024, help="query block of the ring sparse path")
     ap.add_argument("--heads", type=int, nargs=3, default=[H, HKV, D], metavar=("H", "HKV", "D"))
     ap.add_argument("--json", default="benchmarks/results/ring_cp.json")
     ap.add_argument("--results-md", default="benchmarks/RESULTS.md")
@@ -278,6 +280,8 @@ def main() -> None:
     mp.spawn(_worker, args=(args.gpus, args, port, tmp, (H, HKV, D)), nprocs=args.gpus, join=True)
     points = json.loads(Path(tmp).read_text())
     command = "python " + " ".join(sys.argv)
+    for p in points:
+        p["command"] = command
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     doc = {"command": command, "device": device, "torch": torch.__version__,
            "points": points}

@@ -19,6 +19,7 @@ SCRIPT = textwrap.dedent(
     # (sq, sk, h, hkv, d, dv, causal): odd sizes, GQA, bottom-right causal, dv != d
     cases = [(5, 5, 2, 2, 8, 8, True), (17, 33, 4, 2, 16, 16, True), (19, 19, 4, 1, 24, 24, False),
              (9, 40, 2, 1, 8, 12, True), (1, 7, 2, 2, 8, 8, False)]
+    fused = 0
     for sq, sk, h, hkv, d, dv, causal in cases:
         q, k, v = torch.randn(sq, h, d), torch.randn(sk, hkv, d), torch.randn(sk, hkv, dv)
         scale = 1 / math.sqrt(d)
@@ -36,6 +37,16 @@ SCRIPT = textwrap.dedent(
         ref_lse = torch.logsumexp(s, -1).transpose(0, 1)
         eo, el = (out - ref).abs().max().item(), (lse - ref_lse).abs().max().item()
         assert eo < 1e-4 and el < 1e-4, (sq, sk, h, hkv, d, dv, causal, eo, el)
+        if sk >= 2 * sq and not causal:
+            # Fused accumulation: two key halves merged in-kernel equal the whole.
+            acc_o = torch.zeros(sq, h, dv)
+            acc_l = torch.full((sq, h), float("-inf"))
+            half = sk // 2
+            attn(q, k[:half], v[:half], False, scale, acc_out=acc_o, acc_lse=acc_l)
+            attn(q, k[half:], v[half:], False, scale, acc_out=acc_o, acc_lse=acc_l)
+            assert (acc_o - ref).abs().max().item() < 1e-4 and (acc_l - ref_lse).abs().max().item() < 1e-4
+            fused += 1
+    assert fused == 1
     print("TRITON_OK", len(cases))
     """
 )

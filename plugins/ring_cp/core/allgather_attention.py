@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from kllm_plugins.plugins.ring_cp.core.block_attn import BlockAttention, default_scale, torch_block_attention
 from kllm_plugins.plugins.ring_cp.core.lse_merge import PartialAttention
-from kllm_plugins.plugins.ring_cp.core.ring_attention import KVLayout, kv_views
+from kllm_plugins.plugins.ring_cp.core.ring_attention import KVLayout, kv_views, run_items
 from kllm_plugins.plugins.ring_cp.core.shard_plan import ShardPlan
 
 
@@ -76,9 +76,10 @@ def allgather_attention(
     k, v = kv_views(full, layout, v_dim)
     cu = plan.cu_seqlens()
     acc = PartialAttention(q.shape[0], q.shape[1], v.shape[-1], q.device)
+    items = []
     for s in plan.segments[rank]:
         base = cu[s.seq]
         kv_hi = base + (s.end if causal else plan.seq_lens[s.seq])
-        out, lse = attn(q[s.local : s.local + s.length], k[base:kv_hi], v[base:kv_hi], causal, scale)
-        acc.merge(s.local, s.local + s.length, out, lse)
+        items.append((s.local, s.local + s.length, base, kv_hi, causal))
+    run_items(acc, q, k, v, items, attn, scale)
     return acc.result(q.dtype)

@@ -75,11 +75,16 @@ def sdpa_flash_block_attention(
 
 
 def triton_block_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+    acc_out: torch.Tensor | None = None, acc_lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     from kllm_plugins.plugins.ring_cp.kernels.flash_lse import flash_attention_lse
 
-    return flash_attention_lse(q, k, v, causal=causal, scale=scale)
+    return flash_attention_lse(q, k, v, causal=causal, scale=scale, acc_out=acc_out, acc_lse=acc_lse)
+
+
+# The kernel merges into a running (out, lse) itself; the ring passes its accumulator slices.
+triton_block_attention.accumulates = True  # type: ignore[attr-defined]
 
 
 IMPLEMENTATIONS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {

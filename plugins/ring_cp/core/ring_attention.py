@@ -103,11 +103,17 @@ def remote_items(q_segs: Sequence[Segment], k_segs: Sequence[Segment], causal: b
     return items
 
 
-def _run_items(
+def run_items(
     acc: PartialAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, items: Sequence[WorkItem],
     attn: BlockAttention, scale: float,
 ) -> None:
+    """Run block attention for each work item and fold it into `acc` (in-kernel when the kernel can)."""
+    fused = getattr(attn, "accumulates", False)
     for qlo, qhi, klo, khi, causal in items:
+        if fused:
+            attn(q[qlo:qhi], k[klo:khi], v[klo:khi], causal, scale,  # type: ignore[call-arg]
+                 acc_out=acc.out[qlo:qhi], acc_lse=acc.lse[qlo:qhi])
+            continue
         out, lse = attn(q[qlo:qhi], k[klo:khi], v[klo:khi], causal, scale)
         acc.merge(qlo, qhi, out, lse)
 
@@ -204,7 +210,7 @@ def ring_attention(
     def compute_own() -> None:
         items = own_items(plan, rank, causal)
         stats.items += len(items)
-        _run_items(acc, q, k_loc, v_loc, items, attn, scale)
+        run_items(acc, q, k_loc, v_loc, items, attn, scale)
 
     def compute_remote(tensors: Sequence[torch.Tensor], src: int, c: int) -> None:
         key = (src, c)
@@ -214,7 +220,7 @@ def ring_attention(
         stats.items += len(items)
         stats.per_step_items.append(len(items))
         k, v = kv_views(tensors, layout, v_dim)
-        _run_items(acc, q, k, v, items, attn, scale)
+        run_items(acc, q, k, v, items, attn, scale)
 
     exchanger = RingExchanger(group) if comm and plan.world > 1 else None
     run_ring(payload, plan, rank, chunks_per_shard, compute_own, compute_remote, exchanger, stats)

@@ -20,7 +20,7 @@ def _flash_lse_fwd(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lt, stride_lh,
     scale,
     D_REAL, DV_REAL,
-    GROUP: tl.constexpr, CAUSAL: tl.constexpr,
+    GROUP: tl.constexpr, CAUSAL: tl.constexpr, ACCUM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -61,6 +61,20 @@ def _flash_lse_fwd(
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+    o_ptrs = O + offs_m[:, None] * stride_ot + h * stride_oh + offs_dv[None, :]
+    o_mask = row_ok[:, None] & (offs_dv < DV_REAL)[None, :]
+    if ACCUM:
+        # O and LSE hold a running partial: merge in place (saves a separate pass over fp32 out).
+        a_l = tl.load(LSE + offs_m * stride_lt + h * stride_lh, mask=row_ok, other=float("-inf"))
+        a_o = tl.load(o_ptrs, mask=o_mask, other=0.0)
+        mx = tl.maximum(a_l, lse)
+        mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
+        wa = tl.exp(a_l - mx_safe)
+        wb = tl.exp(lse - mx_safe)
+        den = wa + wb
+        ok = den > 0
+        out = (a_o * wa[:, None] + out * wb[:, None]) / tl.where(ok, den, 1.0)[:, None]
+        lse = tl.where(ok, mx_safe + tl.log(tl.where(ok, den, 1.0)), float("-inf"))
     tl.store(O + offs_m[:, None] * stride_ot + h * stride_oh + offs_dv[None, :], out,
              mask=row_ok[:, None] & (offs_dv < DV_REAL)[None, :])
     tl.store(LSE + offs_m * stride_lt + h * stride_lh, lse, mask=row_ok)
@@ -73,8 +87,13 @@ def _pow2(n: int) -> int:
 def flash_attention_lse(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
     block_m: int | None = None, block_n: int | None = None,
+    acc_out: torch.Tensor | None = None, acc_lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q (Sq, H, D), k (Sk, Hkv, D), v (Sk, Hkv, Dv) -> out (Sq, H, Dv) fp32, lse (Sq, H) fp32."""
+    """q (Sq, H, D), k (Sk, Hkv, D), v (Sk, Hkv, Dv) -> out (Sq, H, Dv) fp32, lse (Sq, H) fp32.
+
+    With acc_out/acc_lse (fp32 running partial for the same rows), the result is merged into
+    them in place and they are returned.
+    """
     sq, h, d = q.shape
     sk, hkv, _ = k.shape
     dv = v.shape[-1]
@@ -83,8 +102,15 @@ def flash_attention_lse(
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a unit stride in its last dimension")
-    out = torch.empty(sq, h, dv, dtype=torch.float32, device=q.device)
-    lse = torch.empty(sq, h, dtype=torch.float32, device=q.device)
+    accum = acc_out is not None and acc_lse is not None
+    if accum:
+        assert acc_out is not None and acc_lse is not None
+        if acc_out.dtype != torch.float32 or acc_lse.dtype != torch.float32 or acc_out.stride(-1) != 1:
+            raise ValueError("acc_out/acc_lse must be fp32 with a unit last stride")
+        out, lse = acc_out, acc_lse
+    else:
+        out = torch.empty(sq, h, dv, dtype=torch.float32, device=q.device)
+        lse = torch.empty(sq, h, dtype=torch.float32, device=q.device)
     if sq == 0:
         return out, lse
     on_gpu = q.is_cuda
@@ -97,7 +123,7 @@ def flash_attention_lse(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         float(scale), d, dv,
-        GROUP=h // hkv, CAUSAL=bool(causal), BLOCK_M=bm, BLOCK_N=bn, D=_pow2(d), DV=_pow2(dv),
+        GROUP=h // hkv, CAUSAL=bool(causal), ACCUM=accum, BLOCK_M=bm, BLOCK_N=bn, D=_pow2(d), DV=_pow2(dv),
         **kwargs,
     )
     return out, lse
