@@ -12,6 +12,10 @@ class IncrPrefixConfig:
     """Use the tail-only insert only when the protected prefix has at least this many tokens."""
     verify: bool = False
     """Debug: after each tail-only insert, re-match the key from the root and assert the same node."""
+    force_python_treecore: bool = False
+    """Build the kllm_incremental cache on SGLang's Python TreeCore even where the Rust one would
+    be chosen: the Rust binding has no insert-from-node entry, so only the Python core gets
+    tail-only inserts. Pays off for very long chunked prompts; short prompts are faster on Rust."""
     publish_interval_s: float = 0.5
     """Seconds between counter snapshots written for /kllm/stats."""
 

@@ -38,6 +38,12 @@ def kllm_declare() -> PluginSpec:
                 "min_prefix_tokens", int, 0, "use the tail-only insert only above this protected prefix"
             ),
             OptionSpec("verify", parse_bool, False, "debug: re-match from the root after each tail insert"),
+            OptionSpec(
+                "force_python_treecore",
+                parse_bool,
+                False,
+                "build the kllm_incremental cache on the Python TreeCore (the only one with tail-only inserts)",
+            ),
             OptionSpec("publish_interval_s", float, 0.5, "seconds between counter snapshots for /kllm/stats"),
         ),
         patches=(

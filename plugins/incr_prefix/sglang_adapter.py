@@ -21,9 +21,16 @@ from typing import Any
 
 import torch
 from sglang.srt.environ import envs
-from sglang.srt.mem_cache.base_prefix_cache import InsertParams, InsertResult, MatchPrefixParams
+from sglang.srt.mem_cache.base_prefix_cache import (
+    DecLockRefParams,
+    InsertParams,
+    InsertResult,
+    MatchPrefixParams,
+    TreeLock,
+)
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.unified_cache.component_type import BASE_COMPONENT_TYPE, ComponentType
+from sglang.srt.mem_cache.unified_cache.components.base import get_and_increase_time_counter
 from sglang.srt.mem_cache.unified_cache.unified_tree_core import (
     UnifiedTreeCore,
     _InsertPhase,
@@ -223,13 +230,7 @@ class IncrementalUnifiedRadixCache(UnifiedRadixCache):
             assert start + len(tail_indices) == aligned, (start, len(tail_indices), aligned)
             self.req_to_token_pool.write((row, slice(start, aligned)), tail_indices)
 
-        self.unlock(req.lock)
-        req.lock = self.lock(
-            new_last_node,
-            skip_lock_components=(
-                (ComponentType.MAMBA,) if envs.SGLANG_OPT_MAMBA_SKIP_DECODE_LOCK.get() else ()
-            ),
-        )
+        self._move_lock(req, anchor, new_last_node)
         req.kv.cache_protected_len = aligned
         req.last_node = new_last_node
         for comp in self._components_tuple:
@@ -238,6 +239,37 @@ class IncrementalUnifiedRadixCache(UnifiedRadixCache):
             )
         if self.kllm_config.verify:
             self._verify(req, aligned)
+
+    def _move_lock(self, req: Any, anchor: Any, new_node_id: Any) -> None:
+        """Stock `unlock(req.lock)` then `lock(new_last_node)`, for a new node below the locked
+        anchor. Both stock walks run to the root; their net effect on the anchor and everything
+        above it is nil (-1 then +1 on each lock count, sizes moved out and back), so only the
+        nodes from the new node up to the anchor are locked here, with the FULL component's
+        own accounting (`FullComponent.acquire_component_lock`)."""
+        tc: UnifiedTreeCore = self.tree_core
+        skipped = (ComponentType.MAMBA,) if envs.SGLANG_OPT_MAMBA_SKIP_DECODE_LOCK.get() else ()
+        new = tc.node_by_id(new_node_id)
+        if new is anchor and req.lock.receipt.skipped_lock_components == skipped:
+            return
+        if new is anchor:
+            self.unlock(req.lock)
+            req.lock = self.lock(new_node_id, skip_lock_components=skipped)
+            return
+        comp = self._components_tuple[0]
+        ct = comp.component_type
+        cur = new
+        while cur is not anchor:
+            cd = cur.component_data[ct]
+            assert cd.value is not None, f"tail node {cur.id} has no device value"
+            if cd.lock_ref == 0:
+                n = comp.reclaimable_value_len(cur)
+                tc.component_evictable_size_[ct] -= n
+                tc.component_protected_size_[ct] += n
+            cd.lock_ref += 1
+            tc.evictable_device_leaves.discard(cur)
+            cur = cur.parent
+        tc._update_evictable_leaf_sets(new)
+        req.lock = TreeLock(new_node_id, DecLockRefParams(node_id=new_node_id, skipped_lock_components=skipped))
 
     def _path_nodes(self, anchor: Any) -> list[Any]:
         """The protected path below the root, root-to-anchor, through parent links."""
@@ -255,12 +287,15 @@ class IncrementalUnifiedRadixCache(UnifiedRadixCache):
         (LRU time), raise its priority, count a hit where the node ends past `inserted_len`."""
         tc: UnifiedTreeCore = self.tree_core
         actions: list[Any] = []
-        tc._touch_node(tc.root_node)
+        # `_touch_node` for a FULL-only tree (the only kind routed here) is this one stamp.
+        clock = get_and_increase_time_counter
+        tc.root_node.last_access_time = clock()
         tc.root_node.priority = max(tc.root_node.priority, priority)
         end = 0
         for node in path:
-            tc._touch_node(node)
-            node.priority = max(node.priority, priority)
+            node.last_access_time = clock()
+            if node.priority < priority:
+                node.priority = priority
             end += len(node.key)
             if inserted_len is not None and end > inserted_len and tc._inc_hit_count_and_check(node):
                 actions.append(tc._build_backup_kv_action(node))
@@ -326,6 +361,8 @@ def _factory(ctx: Any) -> Any:
         cfg = None
     if cfg is not None:
         cls = type("IncrementalUnifiedRadixCache", (IncrementalUnifiedRadixCache,), {"kllm_config": cfg})
+        if cfg.force_python_treecore:
+            ctx.params.tree_core_backend = "python"
     cache = create_unified_radix_cache(ctx, cache_class=cls)
     if isinstance(cache, IncrementalUnifiedRadixCache):
         from kllm_plugins.plugins.incr_prefix.stats_export import CounterExporter

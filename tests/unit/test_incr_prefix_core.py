@@ -95,6 +95,6 @@ def test_plugin_declares_options_and_the_registry_patch() -> None:
     spec = pm.specs["incr_prefix"]
     assert [p.kind for p in spec.patches] == ["registry"]
     assert spec.patches[0].target == "sglang.srt.mem_cache.registry.register_radix_cache_backend"
-    assert {o.name for o in spec.options} == {"enabled", "min_prefix_tokens", "verify", "publish_interval_s"}
+    assert {o.name for o in spec.options} == {"enabled", "min_prefix_tokens", "verify", "force_python_treecore", "publish_interval_s"}
     (enabled,) = pm.build(["incr_prefix"], environ={"KLLM_INCR_PREFIX_MIN_PREFIX_TOKENS": "128", "KLLM_INCR_PREFIX_ENABLED": "0"})
     assert enabled.config == IncrPrefixConfig(enabled=False, min_prefix_tokens=128)
