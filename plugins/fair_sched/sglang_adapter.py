@@ -166,7 +166,11 @@ def around_get_new_batch_prefill_raw(original: Callable[..., Any], self: Any, *a
         finally:
             st.long_limit = None
     batch = result[0] if isinstance(result, tuple) else None
-    _observe(st, self, batch)
+    try:
+        _observe(st, self, batch)
+    except Exception:  # noqa: BLE001 - bookkeeping must never take the scheduler down
+        logger.exception("fair_sched: bookkeeping failed; resetting the active long request")
+        st.policy.active = None
     st.publish(batch is not None or plan.action != "admit")
     return result
 
