@@ -56,37 +56,40 @@ def ring_strategy_class() -> type:
         def materialize_full_kv(self, forward_batch: Any, layer: Any = None, k: Any = None, v: Any = None,
                                 swa_loc: Any | None = None) -> Any:
             if layer is not None and not getattr(layer, "is_cross_attention", False) and k is not None:
-                self._local_kv[id(forward_batch)] = (k, v)
-            return super().materialize_full_kv(forward_batch, layer, k, v, swa_loc)
+                self._local_kv[id(forward_batch)] = (k, v, layer)
+            if self.keep_full_kv_in_pool:
+                return super().materialize_full_kv(forward_batch, layer, k, v, swa_loc)
+            return None
 
-        def _ringable(self, forward_batch: Any, backend: Any) -> bool:
-            meta = forward_batch.attn_cp_metadata
+        def _ringable(self, forward_batch: Any, backend: Any, layer: Any) -> bool:
             prefix = getattr(forward_batch, "extend_prefix_lens_cpu", None) or []
-            return (backend == CPAttentionBackendKind.FLASH_ATTENTION and id(forward_batch) in self._local_kv
-                    and not any(int(p) for p in prefix) and meta is not None)
+            return (backend == CPAttentionBackendKind.FLASH_ATTENTION and layer is not None
+                    and forward_batch.attn_cp_metadata is not None and not any(int(p) for p in prefix)
+                    and not getattr(layer, "logit_cap", 0) and getattr(layer, "sliding_window_size", -1) in (-1, None))
 
         def run_attention(self, q: Any, forward_batch: Any, device: Any, attn_fn: Callable[..., Any],
                           attention_backend: Any = CPAttentionBackendKind.FLASH_ATTENTION) -> Any:
-            if not self._ringable(forward_batch, attention_backend):
+            # Always consume the stash so a later batch can never see this layer's K/V.
+            k, v, layer = self._local_kv.pop(id(forward_batch), (None, None, None))
+            if not self._ringable(forward_batch, attention_backend, layer):
                 return super().run_attention(q, forward_batch, device, attn_fn, attention_backend)
             from sglang.srt.runtime_context import get_parallel
 
-            k, v = self._local_kv.pop(id(forward_batch))
             meta = forward_batch.attn_cp_metadata
             seq_lens = _seq_lens(meta, self.cp_size)
             logical = meta.total_q_prev_tokens + meta.total_q_next_tokens
             perm = sglang_to_plan(seq_lens, self.cp_size, self.cp_rank).to(q.device)
             plan = ShardPlan.build(seq_lens, self.cp_size, "zigzag")
-            # q arrives (tokens, heads, head_dim) or flattened (tokens, heads * head_dim).
+            # q arrives (tokens, heads, head_dim) from the FA backend (flattened heads also accepted).
             qv = (q[:logical] if q.dim() == 3 else q[:logical].reshape(logical, -1, k.shape[-1]))[perm]
-            kv = [k[:logical][perm].contiguous(), v[:logical][perm].contiguous()]
+            kv = [k[:logical].reshape(logical, -1, k.shape[-1])[perm].contiguous(),
+                  v[:logical].reshape(logical, -1, v.shape[-1])[perm].contiguous()]
             group = get_parallel().attn_cp_group.device_group
             out, _ = ring_attention(qv, kv, plan, self.cp_rank, group=group, causal=True,
-                                    attn=select_block_attention(self.kernel),
+                                    scale=float(layer.scaling), attn=select_block_attention(self.kernel),
                                     chunks_per_shard=self.chunks_per_shard)
             result = torch.empty_like(out)
             result[perm] = out
-            result = result.reshape(logical, -1)
             pad = q.shape[0] - logical
             if pad > 0:
                 result = torch.cat([result, result.new_zeros(pad, *result.shape[1:])], dim=0)

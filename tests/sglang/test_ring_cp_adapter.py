@@ -84,3 +84,22 @@ def test_layout_matches_sglang_zigzag_metadata(cp_size: int) -> None:
         # kv_len_prev/next (the all-gather baseline's key prefixes) are our segments' ends.
         ends = [s.end for s in plan.segments[rank]]
         assert sorted(meta.kv_len_prev_list + meta.kv_len_next_list) == sorted(ends)
+
+
+def test_ring_strategy_run_attention_over_gloo(tmp_path: object) -> None:
+    """Two ranks: SGLang's zigzag local order in, ring attention, SGLang's order out == full attention."""
+    pytest.importorskip("sglang")
+    import sys
+    from pathlib import Path
+
+    import torch.multiprocessing as mp
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from ring_cp_strategy_cases import run
+
+    tmp = Path(str(tmp_path))
+    try:
+        mp.spawn(run, args=(2, str(tmp / "pg"), str(tmp)), nprocs=2, join=True)
+    except Exception as exc:
+        errs = "".join(p.read_text() for p in sorted(tmp.glob("rank*.err")))
+        raise AssertionError(errs or str(exc)) from exc
