@@ -23,6 +23,8 @@ class DsparkConfig:
     """"throughput": maximise accepted tokens/s; "sla": first keep requests at sla_tokens_per_s."""
     sla_tokens_per_s: float = 0.0
     """Per-request speed floor (tokens/s per user) for objective="sla"."""
+    sla_softness: float = 0.1
+    """Width of the smooth SLA indicator as a fraction of the SLA (0: hard threshold)."""
     min_verify_len: int = 1
     """Fewest tokens a request verifies per step (the anchor counts)."""
     max_verify_len: int = 0
@@ -60,6 +62,7 @@ class DsparkConfig:
             survival_eps=self.survival_eps,
             objective=self.objective,  # type: ignore[arg-type]
             sla_tokens_per_s=self.sla_tokens_per_s,
+            sla_softness=self.sla_softness,
             explore_prob=self.explore_prob,
             warmup_explore_prob=self.warmup_explore_prob,
         )

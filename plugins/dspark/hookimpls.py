@@ -78,6 +78,7 @@ def kllm_declare() -> PluginSpec:
         options=(
             OptionSpec("objective", str, "throughput", "throughput, or sla (per-user tokens/s floor first)", OBJECTIVES),
             OptionSpec("sla_tokens_per_s", float, 0.0, "per-request speed floor for objective=sla"),
+            OptionSpec("sla_softness", float, 0.1, "width of the smooth SLA indicator, fraction of the SLA (0: hard)"),
             OptionSpec("min_verify_len", int, 1, "fewest tokens each request verifies per step (anchor included)"),
             OptionSpec("max_verify_len", int, 0, "most tokens each request verifies per step (0: gamma+1)"),
             OptionSpec("survival_eps", float, 1e-6, "survival probabilities below this are never verified"),

@@ -99,10 +99,12 @@ def sla_case() -> tuple[np.ndarray, object]:
     return survival_from(conf), (lambda m: 0.01 + 0.0004 * np.asarray(m))
 
 
-def test_sla_objective_keeps_every_request_above_the_floor() -> None:
+@pytest.mark.parametrize("softness", [0.0, 0.1])
+def test_sla_objective_keeps_every_request_above_the_floor(softness: float) -> None:
     survival, cost = sla_case()
     thr = plan_budget(survival, cost, min_len=1, max_len=8, sla_tokens_per_s=75.0)
-    sla = plan_budget(survival, cost, min_len=1, max_len=8, objective="sla", sla_tokens_per_s=75.0)
+    sla = plan_budget(survival, cost, min_len=1, max_len=8, objective="sla", sla_tokens_per_s=75.0,
+                      sla_softness=softness)
     assert thr.sla_attainment < 1.0
     assert sla.sla_attainment == 1.0
     assert sla.budget < thr.budget

@@ -93,6 +93,7 @@ def plan_budget(
     eps: float = 1e-6,
     objective: Objective = "throughput",
     sla_tokens_per_s: float = 0.0,
+    sla_softness: float = 0.0,
 ) -> BudgetPlan:
     """Best budget for one step. `step_seconds(M)` maps an array of verify-token totals to seconds."""
     if objective not in OBJECTIVES:
@@ -108,8 +109,15 @@ def plan_budget(
     else:
         attain = np.ones_like(thr)
     if objective == "sla" and sla_tokens_per_s > 0:
-        best = attain.max()
-        score = np.where(attain >= best - 1e-12, thr, -np.inf)
+        if sla_softness > 0:
+            # Expected speeds come from noisy confidences: score each request's chance of meeting
+            # the SLA smoothly, so the argmax does not chase noise across the threshold.
+            z = (per_req / seconds[:, None] - sla_tokens_per_s) / (sla_softness * sla_tokens_per_s)
+            target = (1.0 / (1.0 + np.exp(-np.clip(z, -50, 50)))).mean(axis=1)
+            tol = 0.005
+        else:
+            target, tol = attain, 1e-12
+        score = np.where(target >= target.max() - tol, thr, -np.inf)
     else:
         score = thr
     b = int(np.argmax(score))  # first maximum: the smallest budget among ties
@@ -124,6 +132,8 @@ class PlannerConfig:
     survival_eps: float = 1e-6
     objective: Objective = "throughput"
     sla_tokens_per_s: float = 0.0
+    sla_softness: float = 0.1
+    """Width of the smooth SLA indicator, as a fraction of the SLA (0: hard threshold)."""
     explore_prob: float = 0.03
     """Probability of a random budget once the model is trusted (keeps it calibrated)."""
     warmup_explore_prob: float = 0.5
@@ -149,6 +159,8 @@ class PlannerConfig:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
         if self.sla_tokens_per_s < 0:
             raise ValueError(f"sla_tokens_per_s must be >= 0, got {self.sla_tokens_per_s}")
+        if self.sla_softness < 0:
+            raise ValueError(f"sla_softness must be >= 0, got {self.sla_softness}")
         if self.objective == "sla" and self.sla_tokens_per_s <= 0:
             raise ValueError("sla_tokens_per_s must be > 0 when objective is 'sla'")
         if self.recovery_steps < 0:
@@ -201,6 +213,7 @@ class BudgetPlanner:
             eps=self.config.survival_eps,
             objective=self.config.objective,
             sla_tokens_per_s=self.config.sla_tokens_per_s,
+            sla_softness=self.config.sla_softness,
         )
         return self._explore(survival, lo, hi, context_tokens, plan.budget) if explore else plan
 
