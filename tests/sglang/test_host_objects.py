@@ -20,7 +20,8 @@ SCRIPT = textwrap.dedent(
     from kllm_plugins import runtime
     from kllm_plugins.sglang_bridge import host
 
-    before = Scheduler.__dict__["get_next_batch_to_run"]
+    # kept in a list: SGLang's _propagate_patch rebinds module globals that hold the original
+before = [Scheduler.__dict__["get_next_batch_to_run"]]
     sa = prepare_server_args(["--model-path", "dummy", "--enable-plugin", "trace",
                               "--kllm-trace-log-interval-s", "3"])
     assert sa._kllm_plugins == ["trace"], sa._kllm_plugins
@@ -28,7 +29,7 @@ SCRIPT = textwrap.dedent(
     assert os.environ["KLLM_TRACE_LOG_INTERVAL_S"] == "3"
     assert runtime.config_of("trace").log_interval_s == 3.0
     after = Scheduler.__dict__["get_next_batch_to_run"]
-    assert after is not before and callable(getattr(after, "__wrapped__", None))
+    assert after is not before[0] and after.__wrapped__ is before[0]
     # the bookkeeping attribute travels to subprocesses with the pickled record
     assert pickle.loads(pickle.dumps(sa))._kllm_plugins == ["trace"]
     results = [r for rep in host().reports for r in rep.results]
