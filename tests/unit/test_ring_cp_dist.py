@@ -1,7 +1,6 @@
 """ring_cp: multi-process (gloo) ring attention and all-gather baseline against full attention."""
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import Any

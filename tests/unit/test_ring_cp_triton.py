@@ -1,7 +1,6 @@
 """ring_cp: the Triton block-attention kernel under TRITON_INTERPRET=1 against torch SDPA (CPU, tiny shapes)."""
 from __future__ import annotations
 
-import math
 import os
 import subprocess
 import sys
