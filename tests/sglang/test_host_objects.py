@@ -21,7 +21,7 @@ SCRIPT = textwrap.dedent(
     from kllm_plugins.sglang_bridge import host
 
     # kept in a list: SGLang's _propagate_patch rebinds module globals that hold the original
-before = [Scheduler.__dict__["get_next_batch_to_run"]]
+    before = [Scheduler.__dict__["get_next_batch_to_run"]]
     sa = prepare_server_args(["--model-path", "dummy", "--enable-plugin", "trace",
                               "--kllm-trace-log-interval-s", "3"])
     assert sa._kllm_plugins == ["trace"], sa._kllm_plugins
