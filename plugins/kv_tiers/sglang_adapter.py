@@ -364,7 +364,8 @@ def after_take_events(result: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
     pending = t.events.take()
     if not pending:
         return None
-    if not getattr(getattr(self, "kv_events", None), "enabled", False):
+    recorder = getattr(self, "kv_events", None) or getattr(getattr(self, "tree_core", None), "kv_events", None)
+    if not getattr(recorder, "enabled", False):
         return None  # events off: drop ours too, as SGLang drops its own
     return list(result or []) + [to_sglang_event(e) for e in pending]
 
