@@ -161,3 +161,67 @@ def test_publisher_registers_and_stamps_instance_id(backend_factory) -> None:
         assert sent[0].events[0].block_hashes == [1]
     finally:
         pub.shutdown()
+
+
+class _Cache:
+    """The attributes of UnifiedRadixCache the prefetch and load-back hooks read and write."""
+
+    page_size = 16
+
+    def __init__(self) -> None:
+        self.ongoing_prefetch: dict[Any, Any] = {}
+        self.prefetch_threshold = 256
+        self.load_back_threshold = 10
+        self.calls = 0
+
+    def prefetch(self, request: Any, node: Any, tokens: list[int], *args: Any, **kwargs: Any) -> bool:
+        self.calls += 1
+        return True
+
+
+def test_prefetch_hook_sets_break_even_threshold_and_bounds_inflight(backend_factory) -> None:
+    from kllm_plugins.plugins.kv_tiers import sglang_adapter as ad
+
+    b = backend_factory(prefetch_max_inflight_ops=1, l3_read_gbps=5.0, prefill_tokens_per_s=1000.0)
+    cache = _Cache()
+    assert ad.around_prefetch_from_storage(_Cache.prefetch, cache, "r1", None, list(range(512))) is True
+    expected = b.t.fetch.min_fetch_tokens("l3")
+    assert cache.prefetch_threshold == max(16, int(expected))
+    cache.ongoing_prefetch["r1"] = object()  # one in flight: the budget is spent
+    assert ad.around_prefetch_from_storage(_Cache.prefetch, cache, "r2", None, list(range(512))) is None
+    assert cache.calls == 1 and b.t.counts["prefetch_refused"] == 1
+    # an already running prefetch is always let through (HiCache polls it)
+    assert ad.around_prefetch_from_storage(_Cache.prefetch, cache, "r1", None, list(range(512))) is True
+
+
+def test_prefetch_hook_refuses_when_recompute_is_cheaper(backend_factory) -> None:
+    from kllm_plugins.plugins.kv_tiers import sglang_adapter as ad
+
+    b = backend_factory()
+    for n in (16, 64, 256) * 5:  # measured: a very slow disk (1 MB/s)
+        b.t.fetch.observe_transfer("l3", n * 2048, n * 2048 / 1e6)
+    cache = _Cache()
+    assert ad.around_prefetch_from_storage(_Cache.prefetch, cache, "r", None, list(range(512))) is None
+    assert cache.prefetch_threshold >= 1 << 30 and cache.calls == 0
+
+
+def test_load_back_hook_measures_and_sets_threshold(backend_factory) -> None:
+    from kllm_plugins.plugins.kv_tiers import sglang_adapter as ad
+
+    b = backend_factory()
+    cache = _Cache()
+    out = ad.around_init_load_back(lambda self, params: (128, "node"), cache, None)
+    assert out == (128, "node")
+    assert cache.load_back_threshold == int(b.t.fetch.min_fetch_tokens("l2"))
+    assert b.t.fetch.tiers["l2"].samples == 1 and b.t.counts["l2_loaded_tokens"] == 128
+
+
+def test_host_pool_hook_unpins_only_without_pinned_memory(monkeypatch) -> None:
+    from sglang.srt.platforms import current_platform
+
+    from kllm_plugins.plugins.kv_tiers import sglang_adapter as ad
+
+    monkeypatch.setattr(type(current_platform), "is_pin_memory_available", lambda self, device=None: False)
+    assert ad.before_host_pool_init("self", pin_memory=True, page_size=16) == (("self",), {"pin_memory": False, "page_size": 16})
+    monkeypatch.setattr(type(current_platform), "is_pin_memory_available", lambda self, device=None: True)
+    assert ad.before_host_pool_init("self", pin_memory=True) is None
