@@ -103,3 +103,35 @@ def test_ring_strategy_run_attention_over_gloo(tmp_path: object) -> None:
     except Exception as exc:
         errs = "".join(p.read_text() for p in sorted(tmp.glob("rank*.err")))
         raise AssertionError(errs or str(exc)) from exc
+
+
+def test_hook_attaches_through_sglangs_hook_registry() -> None:
+    """In a fresh process: the host registers the AROUND hook with SGLang's real HookRegistry,
+    verifies it, and SGLang's own init_cp_strategy / get_cp_strategy then yield RingCPStrategy."""
+    pytest.importorskip("sglang")
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        """
+        from kllm_plugins.manager import KllmPluginManager
+        from kllm_plugins.sglang_bridge import Host
+        from kllm_plugins.plugins.ring_cp import hookimpls
+        h = Host(KllmPluginManager(extra_plugins=[("ring_cp", hookimpls)], load_entry_points=False))
+        h.enable(["ring_cp"])
+        rep = h.reports[-1]
+        assert not rep.failures and len(rep.results) == 1, rep.results
+        import sglang.srt.layers.cp.base as base
+        from kllm_plugins.plugins.ring_cp.sglang_adapter import ring_strategy_class
+        base.init_cp_strategy(enable_prefill_cp=True, cp_size=4, cp_strategy="zigzag")
+        s = base._STRATEGY
+        assert isinstance(s, ring_strategy_class()) and s.cp_size == 4 and s.chunks_per_shard == 3, s
+        print("RING_OK", type(s).__name__, s.name)
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KLLM_")}
+    env.update({"KLLM_STRICT": "1", "KLLM_RING_CP_CHUNKS_PER_SHARD": "3", "SGLANG_PLATFORM": "kllm_cpu"})
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "RING_OK RingCPStrategy kllm_ring" in out.stdout
