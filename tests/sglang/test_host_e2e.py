@@ -21,7 +21,7 @@ CHUNK = 64
 def server(tiny_model_path: Path) -> Iterator[SGLangServer]:
     # float32 on both sides: with random weights, bf16 rounding differs between engines enough
     # to flip near-tied argmaxes, which would test rounding rather than correctness.
-    args = ["--chunked-prefill-size", str(CHUNK), "--dtype", "float32"]
+    args = ["--chunked-prefill-size", str(CHUNK), "--dtype", "float32", "--enable-metrics"]
     with SGLangServer(tiny_model_path, plugins=["trace"], extra_args=args) as srv:
         yield srv
 
@@ -113,3 +113,13 @@ def test_generate_streaming(server: SGLangServer) -> None:
     assert len(events) >= 2
     whole = server.generate(text="class Parser:", max_new_tokens=6, ignore_eos=True)
     assert events[-1]["text"] == whole["text"]
+
+
+def test_prometheus_metrics_from_scheduler_process(server: SGLangServer) -> None:
+    server.generate(text="count me", max_new_tokens=3)
+    time.sleep(0.5)
+    with urllib.request.urlopen(f"{server.base_url}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    values = [float(l.split()[-1]) for l in text.splitlines() if l.startswith("kllm_trace_decode_steps_total")]
+    assert values and sum(values) >= 2
+    assert "kllm_trace_prefill_chunks_total" in text
