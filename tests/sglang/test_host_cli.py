@@ -35,7 +35,9 @@ def test_unknown_plugin_is_one_line_error_with_choices() -> None:
     out = launch("--enable-plugin", "trace,nosuch")
     assert out.returncode == 2
     err_lines = [l for l in out.stderr.splitlines() if "error" in l]
-    assert len(err_lines) == 1 and "'nosuch'" in err_lines[0] and "valid choices: trace" in err_lines[0]
+    assert len(err_lines) == 1 and "'nosuch'" in err_lines[0]
+    choices = err_lines[0].split("valid choices: ")[1]
+    assert "trace" in choices.split(", ")
     assert "Traceback" not in out.stderr
 
 
@@ -52,7 +54,7 @@ def test_bad_option_value_is_one_line_error() -> None:
 def test_unknown_plugin_in_environment_fails_fast() -> None:
     out = launch(env_extra={"KLLM_PLUGINS": "nosuch"})
     assert out.returncode != 0 and "Traceback" not in out.stderr
-    assert "unknown plugin 'nosuch'; valid choices: trace" in out.stderr
+    assert "unknown plugin 'nosuch'; valid choices: " in out.stderr and "trace" in out.stderr
 
 
 def test_wrong_target_fails_startup_under_strict() -> None:
