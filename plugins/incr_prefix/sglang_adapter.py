@@ -89,6 +89,20 @@ class IncrementalUnifiedRadixCache(UnifiedRadixCache):
             return "EAGLE bigram keys"
         return ""
 
+    # HiCache and the external linker are attached after construction
+    # (`create_unified_radix_cache`): re-decide then.
+    def init_hicache(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().init_hicache(*args, **kwargs)
+        self._kllm_unsupported = self._static_unsupported()
+        logger.info("incr_prefix: tail-only inserts off for this cache: %s", self._kllm_unsupported)
+        return out
+
+    def init_cache_linker(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().init_cache_linker(*args, **kwargs)
+        self._kllm_unsupported = self._static_unsupported()
+        logger.info("incr_prefix: tail-only inserts off for this cache: %s", self._kllm_unsupported)
+        return out
+
     def reset(self) -> None:
         # Nodes are rebuilt: every saved walk state must fail its epoch check.
         self.kllm_epoch = getattr(self, "kllm_epoch", 0) + 1

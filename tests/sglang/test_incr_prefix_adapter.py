@@ -109,3 +109,21 @@ def test_page_size_16_tail_inserts_keep_page_alignment() -> None:
     assert b.req.kv.cache_protected_len == a.req.kv.cache_protected_len == 992
     assert ours.cache.kllm_counters.tail_inserts == 9
     assert tree_snapshot(ours.cache) == tree_snapshot(stock.cache)
+
+
+def test_hicache_attached_after_construction_turns_the_tail_path_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`create_unified_radix_cache` calls `init_hicache` after building the cache; the tail
+    path does not reproduce HiCache's write-through bookkeeping, so it must step aside."""
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    def fake_init_hicache(self, server_args, params):  # type: ignore[no-untyped-def]
+        self.cache_controller = object()
+
+    monkeypatch.setattr(UnifiedRadixCache, "init_hicache", fake_init_hicache)
+    _, ours = _pair()
+    ours.cache.init_hicache(None, None)
+    run = ours.admit("r", list(range(1, 301)))
+    ours.extend(run, 100), ours.extend(run, 100)
+    c = ours.cache.kllm_counters
+    assert c.tail_inserts == 0 and c.full_by_reason == {"unsupported_cache": 2}
+    ours.cache.cache_controller = None  # let teardown paths see a plain cache again
