@@ -34,8 +34,8 @@ class DsparkConfig:
     """SGLANG_RAGGED_VERIFY_MODE set when the user has not set it ("static" keeps SGLang's default)."""
     half_life_steps: float = 64.0
     window: int = 256
-    knots: tuple[int, ...] = (64, 256, 1024)
-    explore_prob: float = 0.03
+    knots: tuple[int, ...] = (32, 64, 128, 256, 512, 1024)
+    explore_prob: float = 0.02
     warmup_explore_prob: float = 0.5
     refit_every: int = 4
     max_step_gap_s: float = 1.0

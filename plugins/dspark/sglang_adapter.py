@@ -37,9 +37,14 @@ class DsparkState:
         self.counts: dict[str, int] = {"model": 0, "explore": 0, "stock": 0}
         self.last: dict[str, Any] = {}
         self._writer: StatsWriter | None = None
+        self._next_publish = 0.0
         self._failed = False
 
     def _publish(self) -> None:
+        now = time.monotonic()
+        if now < self._next_publish:  # build the snapshot only when it will be written
+            return
+        self._next_publish = now + self.config.publish_interval_s
         try:
             if self._writer is None:
                 self._writer = StatsWriter(NAME, self.config.publish_interval_s)
@@ -180,8 +185,10 @@ def _sum_lens(values: Any) -> int:
 def around_prepare_verify_budget(original: Callable[..., Any], self: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
     st = state()
     if st is not None:
+        # The overlap scheduler resolves seq_lens_cpu right before this call; seq_lens_sum may lag.
+        lens = getattr(batch, "seq_lens_cpu", None)
         total = getattr(batch, "seq_lens_sum", None)
-        st.context_tokens = int(total) if isinstance(total, int) else _sum_lens(getattr(batch, "seq_lens_cpu", None))
+        st.context_tokens = _sum_lens(lens) if lens is not None else int(total or 0)
     return original(self, batch, *args, **kwargs)
 
 

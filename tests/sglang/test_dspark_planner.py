@@ -200,6 +200,37 @@ def test_min_and_max_verify_len_reach_sglangs_schedule(plugin_on: Callable[[Dspa
     assert lens[0] == 2 and max(lens) == 5
 
 
+def test_overlap_path_reads_context_and_sets_the_draft_budget(plugin_on: Callable[[DsparkConfig], None]) -> None:
+    """The overlap scheduler calls prepare_verify_budget(batch, future_map): our hook reads the
+    batch's context and SGLang stores our budget on the draft input."""
+    from sglang.srt.managers.overlap_utils import ResolvedConfidence
+
+    plugin_on(DsparkConfig(explore_prob=0.0, warmup_explore_prob=0.0))
+    with get_context().override_server_args(max_running_requests=16):
+        planner = make_planner()
+        st = adapter.state()
+        assert st is not None
+        teach(st, compute_bound, 8, 8 * 3000)
+        conf = confidences(8)
+        batch = SimpleNamespace(
+            spec_info=SimpleNamespace(verify_token_budget=None),
+            forward_mode=SimpleNamespace(is_extend=lambda: False),
+            is_extend_in_batch=False,
+            req_pool_indices_cpu=torch.arange(8),
+            seq_lens_cpu=torch.full((8,), 3000),
+            batch_size=lambda: 8,
+            spec_verify_tier_num_tokens=None,
+        )
+        future_map = SimpleNamespace(
+            resolve_confidence_cpu=lambda b: ResolvedConfidence(confidence=conf, generation=torch.ones(8, dtype=torch.int64))
+        )
+        planner.prepare_verify_budget(batch, future_map)
+    assert st.context_tokens == 8 * 3000
+    assert st.last["source"] == "model" and st.last["context_tokens"] == 8 * 3000
+    assert batch.spec_info.verify_token_budget == st.last["budget"] < 8 * GAMMA
+    assert batch.spec_verify_tier_num_tokens == 8 + st.last["budget"]
+
+
 def test_context_length_changes_the_budget(plugin_on: Callable[[DsparkConfig], None]) -> None:
     plugin_on(DsparkConfig(explore_prob=0.0, warmup_explore_prob=0.0))
 

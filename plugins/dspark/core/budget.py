@@ -134,7 +134,7 @@ class PlannerConfig:
     sla_tokens_per_s: float = 0.0
     sla_softness: float = 0.1
     """Width of the smooth SLA indicator, as a fraction of the SLA (0: hard threshold)."""
-    explore_prob: float = 0.03
+    explore_prob: float = 0.02
     """Probability of a random budget once the model is trusted (keeps it calibrated)."""
     warmup_explore_prob: float = 0.5
     """Probability of a random budget while the model is still learning."""

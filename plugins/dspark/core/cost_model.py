@@ -48,7 +48,7 @@ class CostModelConfig:
     min_observations: int = 16
     """Observations needed (with `min_distinct_tokens` verify sizes) before the model is trusted."""
     min_distinct_tokens: int = 3
-    knots: tuple[int, ...] = (64, 256, 1024)
+    knots: tuple[int, ...] = (32, 64, 128, 256, 512, 1024)
     """Verify-token counts where the step-time slope may change."""
     token_scale: float = 64.0
     context_scale: float = 65536.0
