@@ -1,0 +1,207 @@
+"""End to end: kllm-router in front of real SGLang servers on the CPU platform.
+
+Plain mode: two ordinary servers, prefix-affinity routing, streaming, and one server killed
+in the middle of streams. PD mode: a prefill and a decode server paired by the router over
+SGLang's bootstrap protocol with the Mooncake transfer engine on TCP; the decode side's greedy
+output must equal the reference model's, which only holds if the KV really crossed over.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import threading
+from pathlib import Path
+from typing import Any, AsyncIterator, Iterator
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from kllm_plugins.plugins.bigpd_router.config import RouterConfig
+from kllm_plugins.plugins.bigpd_router.core.registry import Role
+from kllm_plugins.plugins.bigpd_router.service.router import Router
+from kllm_plugins.testing.sglang_server import SGLangServer
+
+pytestmark = [pytest.mark.sglang, pytest.mark.e2e]
+
+
+def start_pair(servers: list[SGLangServer]) -> None:
+    """Start servers concurrently (start-up is dominated by imports, which overlap well)."""
+    errors: list[BaseException] = []
+
+    def start(s: SGLangServer) -> None:
+        try:
+            s.start()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start, args=(s,)) for s in servers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        for s in servers:
+            s.stop()
+        raise errors[0]
+
+
+@contextlib.asynccontextmanager
+async def running_router(cfg: RouterConfig, instances: list[tuple[str, Role | None]]) -> AsyncIterator[str]:
+    router = Router(cfg)
+    runner = web.AppRunner(router.app(), shutdown_timeout=5)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        for url, role in instances:
+            await router.add_instance(url, role)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+async def post(s: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[int, bytes, str]:
+    async with s.post(url, json=body, timeout=aiohttp.ClientTimeout(total=300)) as r:
+        return r.status, await r.read(), r.headers.get("X-Kllm-Instance", "")
+
+
+@pytest.fixture
+def plain_pair(tiny_model_path: Path) -> Iterator[list[SGLangServer]]:
+    servers = [SGLangServer(tiny_model_path, max_total_tokens=4096) for _ in range(2)]
+    start_pair(servers)
+    try:
+        yield servers
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def test_plain_mode_affinity_streaming_and_a_killed_instance(plain_pair: list[SGLangServer]) -> None:
+    a, b = plain_pair
+    cfg = RouterConfig(health_interval_s=0.5, health_failures=2, loads_interval_s=0.5, first_token_timeout_s=30,
+                       max_retries=1)
+
+    async def go() -> None:
+        async with running_router(cfg, [(a.base_url, None), (b.base_url, None)]) as rurl, \
+                aiohttp.ClientSession() as s:
+            # 1. affinity: each prefix family stays on one instance and hits SGLang's radix cache
+            families = [f"You are assistant number {k}. " * 12 for k in range(4)]
+            where: dict[int, set[str]] = {k: set() for k in range(4)}
+            cached = 0
+            for rep in range(3):
+                for k, pre in enumerate(families):
+                    st, body, inst = await post(s, rurl + "/generate", {
+                        "text": pre + f"Question {rep}?", "sampling_params": {"max_new_tokens": 2, "temperature": 0}})
+                    assert st == 200, body
+                    where[k].add(inst)
+                    if rep:
+                        cached += json.loads(body)["meta_info"]["cached_tokens"]
+            assert all(len(v) == 1 for v in where.values()), where
+            assert len(set().union(*where.values())) == 2  # both instances were used
+            assert cached > 8 * 40  # repeats were served mostly from the prefix cache
+
+            # 2. OpenAI streaming through the router
+            st, body, _ = await post(s, rurl + "/v1/chat/completions", {
+                "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": True})
+            events = [ln for ln in body.split(b"\n") if ln.startswith(b"data:")]
+            assert st == 200 and events[-1] == b"data: [DONE]" and len(events) >= 5
+
+            # 3. kill instance a in the middle of streams: every stream ends (done or explicit error)
+            async def stream(i: int) -> bytes:
+                st, body, _ = await post(s, rurl + "/generate", {
+                    "text": f"long story {i}", "stream": True,
+                    "sampling_params": {"max_new_tokens": 120, "temperature": 0, "ignore_eos": True}})
+                assert st == 200
+                return body
+
+            tasks = [asyncio.create_task(stream(i)) for i in range(4)]
+            await asyncio.sleep(1.5)
+            assert a.proc is not None
+            os.killpg(a.proc.pid, signal.SIGKILL)
+            bodies = await asyncio.wait_for(asyncio.gather(*tasks), 300)
+            for body in bodies:
+                assert body.rstrip().endswith(b"[DONE]")
+            assert any(b"upstream_error" in body for body in bodies) or all(
+                b'"finish_reason"' in body for body in bodies)
+            # afterwards everything is served by b
+            for i in range(3):
+                st, body, inst = await post(s, rurl + "/generate", {
+                    "text": f"after {i}", "sampling_params": {"max_new_tokens": 2}})
+                assert st == 200 and inst == b.base_url
+
+    asyncio.run(go())
+
+
+def mooncake_usable() -> str | None:
+    try:
+        from mooncake.engine import TransferEngine  # noqa: F401
+    except (ImportError, OSError) as exc:  # OSError: libibverbs.so.1 missing
+        return f"mooncake transfer engine not importable: {exc}"
+    return None
+
+
+@pytest.fixture
+def pd_pair(tiny_model_path: Path) -> Iterator[list[SGLangServer]]:
+    reason = mooncake_usable()
+    if reason:
+        pytest.skip(reason)
+    from kllm_plugins.testing.sglang_server import free_port
+
+    env = {"MOONCAKE_PROTOCOL": "tcp", "MC_FORCE_TCP": "1",
+           "KLLM_EXTRA_PLUGINS": "kllm_plugins.plugins.bigpd_router.hookimpls"}
+    common = ["--disaggregation-transfer-backend", "mooncake", "--dtype", "float32"]
+    prefill = SGLangServer(tiny_model_path, plugins=["bigpd_router"], env=env, max_total_tokens=4096, extra_args=[
+        *common, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(free_port()),
+        # overlap scheduling records torch.cuda events when a cached prefix is sent early
+        "--disable-overlap-schedule"])
+    decode = SGLangServer(tiny_model_path, env=env, max_total_tokens=4096, extra_args=[
+        *common, "--disaggregation-mode", "decode",
+        # the default host_pool retraction backup pins host memory through CUDA
+        "--disaggregation-decode-retraction-backup", "cpu_tensor"])
+    start_pair([prefill, decode])
+    try:
+        yield [prefill, decode]
+    finally:
+        for s in (prefill, decode):
+            s.stop()
+
+
+def hf_greedy(model_path: Path, prompt: list[int], n: int) -> list[int]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def test_pd_mode_over_mooncake_tcp_matches_reference(pd_pair: list[SGLangServer], tiny_model_path: Path) -> None:
+    prefill, decode = pd_pair
+    assert prefill.grep_log(r"hooks applied (\d+)/\1")  # the CPU shim for Mooncake attached
+    prompt = [(i * 37) % 4000 + 10 for i in range(150)]
+    want = hf_greedy(tiny_model_path, prompt, 8)
+    cfg = RouterConfig(health_interval_s=1.0, loads_interval_s=1.0, first_token_timeout_s=60)
+
+    async def go() -> None:
+        async with running_router(cfg, [(prefill.base_url, None), (decode.base_url, None)]) as rurl, \
+                aiohttp.ClientSession() as s:
+            async with s.get(rurl + "/health") as r:
+                assert (await r.json())["mode"] == "pd"
+            for attempt in range(2):  # the second one takes SGLang's cached-prefix early-send path
+                st, body, inst = await post(s, rurl + "/generate", {
+                    "input_ids": prompt, "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
+                assert st == 200, body
+                assert inst == decode.base_url
+                assert json.loads(body)["output_ids"] == want  # only true if the KV really crossed over
+            st, body, _ = await post(s, rurl + "/v1/chat/completions", {
+                "model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 6, "stream": True})
+            events = [ln for ln in body.split(b"\n") if ln.startswith(b"data:")]
+            assert st == 200 and events[-1] == b"data: [DONE]" and len(events) >= 6, body[-300:]
+
+    asyncio.run(go())
