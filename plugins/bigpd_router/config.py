@@ -34,6 +34,8 @@ class RouterConfig:
     """Consecutive failed checks (or failed requests) before an instance is marked unhealthy."""
     loads_interval_s: float = 1.0
     """Seconds between polls of each instance's /v1/loads (0 disables polling)."""
+    load_window_s: float = 30.0
+    """Window (seconds) over which measured TTFT/TPOT make up the 'actual' half of SLO Load."""
     scale_interval_s: float = 5.0
     """Seconds between scaling-controller decisions (0 disables the controller)."""
     scale_up_load: float = 0.9
@@ -55,7 +57,7 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         for name in ("ttft_target_s", "tpot_target_s", "request_timeout_s", "first_token_timeout_s",
-                     "health_interval_s"):
+                     "health_interval_s", "load_window_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("loads_interval_s", "scale_interval_s", "scale_up_sustain_s", "scale_down_sustain_s",

@@ -29,6 +29,7 @@ _HELP = {
     "health_interval_s": "seconds between active health checks",
     "health_failures": "consecutive failures before an instance is unhealthy",
     "loads_interval_s": "seconds between /v1/loads polls (0: off)",
+    "load_window_s": "seconds of measured TTFT/TPOT in the 'actual' part of SLO Load",
     "scale_interval_s": "seconds between scaling decisions (0: controller off)",
     "scale_up_load": "SLO Load above which a pool scales up",
     "scale_down_load": "SLO Load (with one instance fewer) below which a pool scales down",

@@ -320,6 +320,18 @@ def test_decider_scales_down_a_pool_whose_floor_is_near_target() -> None:
     assert all(d.decide(busy, 2, t).action == "hold" for t in range(0, 100, 5))
 
 
+def test_decider_ignores_load_that_more_instances_cannot_remove() -> None:
+    policy = ScalePolicy(up_sustain_s=0, down_sustain_s=10, cooldown_s=0, min_instances=1, max_instances=4)
+    d = PoolDecider(Role.PREFILL, policy)
+    # idle, but a lone request already takes 1.5x the target: adding instances would not help
+    idle = PoolLoad(pred=1.5, actual=0.0, target=1.0, instances=2, floor=1.5)
+    acts = [d.decide(idle, 2, t).action for t in range(0, 15, 5)]
+    assert "up" not in acts and acts[-1] == "down"
+    d = PoolDecider(Role.PREFILL, policy)
+    queued = PoolLoad(pred=3.0, actual=0.0, target=1.0, instances=2, floor=1.5)
+    assert d.decide(queued, 2, 0).action == "up"
+
+
 def test_decider_repairs_below_minimum_immediately() -> None:
     d = PoolDecider(Role.PREFILL, ScalePolicy(min_instances=2, max_instances=3))
     assert d.decide(pl(0.0, 1), 1, 0).action == "up"

@@ -43,8 +43,8 @@ async def cluster(backends: list[FakeBackend], cfg: RouterConfig,
         yield router, rurl, urls
 
 
-def run(coro_fn: Callable[[], Awaitable[None]]) -> None:
-    asyncio.run(asyncio.wait_for(coro_fn(), 60))
+def run(coro_fn: Callable[[], Awaitable[None]], timeout_s: float = 60.0) -> None:
+    asyncio.run(asyncio.wait_for(coro_fn(), timeout_s))
 
 
 async def post(session: aiohttp.ClientSession, url: str, body: Any,

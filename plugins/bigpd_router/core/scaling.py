@@ -21,6 +21,9 @@ from kllm_plugins.plugins.bigpd_router.core.slo_load import PoolLoad
 
 log = logging.getLogger("kllm.bigpd_router.scaling")
 
+MIN_EXCESS = 0.1
+"""Load above the floor (in units of the target) below which more instances would not help."""
+
 
 class Actuator(Protocol):
     """What the controller needs from the thing that really starts and stops instances."""
@@ -84,8 +87,14 @@ class PoolDecider:
         # hysteresis band: never ask for less than halfway between the floor and the up threshold,
         # or a pool whose idle latency is already near its target could never shrink
         down_at = max(p.down_load, (min(load.floor_load, p.up_load) + p.up_load) / 2)
-        st.above_since = (st.above_since if st.above_since is not None else now) if cur > p.up_load else None
-        st.below_since = (st.below_since if st.below_since is not None else now) if after_down < down_at else None
+        # only the part of the Load above the floor responds to instance count: a pool whose idle
+        # latency already misses the target is not helped by more instances, and one that would stay
+        # at its floor with one instance fewer is idle enough to shrink
+        floor = load.floor_load
+        high = cur > p.up_load and cur - floor > MIN_EXCESS
+        low = after_down < down_at or after_down - floor < MIN_EXCESS / 2
+        st.above_since = (st.above_since if st.above_since is not None else now) if high else None
+        st.below_since = (st.below_since if st.below_since is not None else now) if low else None
         cooling = now - st.last_action < p.cooldown_s
 
         def out(action: str, reason: str, count: int = 1) -> Decision:

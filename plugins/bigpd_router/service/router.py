@@ -61,8 +61,8 @@ class Router:
         self.picker = Picker(cfg.policy, self.tree, cfg.ttft_target_s, cfg.tpot_target_s, cfg.affinity_weight)
         self.tokens = TokenEstimator()
         self.typical_prompt = RateEstimator(initial=256.0, alpha=0.05)
-        self.ttft_actual = {r: WindowStat(30.0) for r in Role}
-        self.tpot_actual = {r: WindowStat(30.0) for r in Role}
+        self.ttft_actual = {r: WindowStat(cfg.load_window_s) for r in Role}
+        self.tpot_actual = {r: WindowStat(cfg.load_window_s) for r in Role}
         self.metrics = RouterMetrics()
         self.actuator = actuator
         self.controller: ScalingController | None = None
@@ -384,7 +384,12 @@ class Router:
         out = web.StreamResponse(status=200, headers={
             "Content-Type": upstream.headers.get("Content-Type", "text/event-stream"),
             "Cache-Control": "no-cache", "X-Request-Id": rid, "X-Kllm-Instance": ticket.inst.url})
-        await out.prepare(request)
+        try:
+            await out.prepare(request)
+        except ConnectionResetError:  # the client left before the first byte went out
+            upstream.close()
+            self._log(rid, shape, 499, ticket, prefill, attempt)
+            return out
         tail = b""
         status = 200
         chunk = first
