@@ -183,3 +183,36 @@ def test_local_process_actuator_starts_and_stops_a_server(tmp_path: Any) -> None
             urllib.request.urlopen(url + "/health", timeout=2)
     finally:
         act.stop_all()
+
+
+def test_router_discovers_ready_pods_through_the_kubernetes_actuator(
+        fake_cluster: tuple[FakeCluster, str]) -> None:
+    import asyncio
+
+    from kllm_plugins.plugins.bigpd_router.config import RouterConfig
+    from kllm_plugins.plugins.bigpd_router.core.registry import Health
+    from kllm_plugins.plugins.bigpd_router.service.router import Router
+
+    cluster, api = fake_cluster
+    cluster.add_deployment("kllm-decode", "kllm-decode", 2)
+    act = KubernetesActuator("ns", {Role.DECODE: PoolWorkload("kllm-decode", "app=kllm-decode", 30001)},
+                             make_api_client(api))
+    cfg = RouterConfig(scale_interval_s=0.1, health_interval_s=5, loads_interval_s=0, min_instances=1,
+                       max_instances=3)
+
+    async def go() -> None:
+        router = Router(cfg, act, (Role.DECODE,))
+        await router.start()
+        try:
+            for _ in range(100):
+                if len(router.registry) == 2:
+                    break
+                await asyncio.sleep(0.05)
+            insts = sorted(router.registry, key=lambda i: i.url)
+            assert [i.url for i in insts] == ["http://10.0.0.1:30001", "http://10.0.0.2:30001"]
+            assert all(i.managed and i.role is Role.DECODE and i.health is Health.STARTING for i in insts)
+            assert act.replicas(Role.DECODE) == 2  # two starting members satisfy the minimum: no scaling
+        finally:
+            await router.stop()
+
+    asyncio.run(asyncio.wait_for(go(), 30))

@@ -150,6 +150,7 @@ class Router:
                 raise
         if role is not None and info and info["role"] is not role and info["role"] is not Role.PLAIN:
             raise ValueError(f"{url} reports role {info['role'].value}, not {role.value}")
+        assert role is not None or info
         inst = Instance(url=url, role=role or info["role"], capacity_tokens=info.get("capacity_tokens", 0),
                         bootstrap_port=bootstrap_port or info.get("bootstrap_port"), managed=managed)
         if info:
@@ -585,8 +586,15 @@ class Router:
 
     async def _scale_loop(self) -> None:
         assert self.controller is not None
+        discover = getattr(self.actuator, "discover", None)
         while True:
             try:
+                if callable(discover):  # e.g. Kubernetes: pods join once they are Ready
+                    for role in self.controller.deciders:
+                        for url in await asyncio.to_thread(discover, role):
+                            if url not in self.registry:
+                                inst = await self.add_instance(url, role, managed=True)
+                                log.info("discovered instance url=%s role=%s", inst.url, role.value)
                 decisions = await asyncio.to_thread(self.controller.step)
                 for d in decisions:
                     if d.action != "hold":
