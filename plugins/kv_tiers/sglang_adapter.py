@@ -141,6 +141,8 @@ def tiers(extra: dict[str, Any] | None = None) -> _Tiers:
     with _tiers_lock:
         if _tiers is None:
             _tiers = _Tiers(_config(extra))
+            if runtime.is_enabled(PLUGIN):
+                _tiers.start_stats()
         return _tiers
 
 
@@ -183,7 +185,6 @@ class KllmFileStorage(HiCacheStorage):
         )
         t.store = self.store
         t.ensure_fetch_policy(self.page_nbytes // max(1, page_size))
-        t.start_stats()
         logger.info("kv_tiers L3 file store at %s (namespace %s, capacity %.1f GiB, %d pages adopted)",
                     self.store.folder, namespace, self.capacity_bytes / (1 << 30), len(self.store))
 
@@ -330,18 +331,19 @@ def around_prefetch_from_storage(original: Callable[..., Any], self: Any, reques
 
 def around_init_load_back(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
     """Set the L2 load-back threshold from the break-even length; measure L2->L1 loads."""
-    t = _tiers
-    if t is not None and t.fetch is not None and t.cfg.adaptive_thresholds:
+    t = tiers()
+    if t.fetch is not None and t.cfg.adaptive_thresholds:
         m = t.fetch.min_fetch_tokens("l2")
         self.load_back_threshold = _NO_FETCH_THRESHOLD if m == float("inf") else int(m)
     t0 = time.perf_counter()
     result = original(self, *args, **kwargs)
     dt = time.perf_counter() - t0
-    if t is not None and t.fetch is not None and isinstance(result, tuple) and result:
+    if isinstance(result, tuple) and result:
         loaded = result[0]
         if isinstance(loaded, int) and loaded > 0:
-            t.fetch.observe_transfer("l2", loaded * t.fetch.bytes_per_token, dt)
             t.count("l2_loaded_tokens", loaded)
+            if t.fetch is not None:
+                t.fetch.observe_transfer("l2", loaded * t.fetch.bytes_per_token, dt)
     return result
 
 
