@@ -398,16 +398,18 @@ def record(command: str, s: dict[str, Any]) -> None:
     path = ROOT / "benchmarks" / "RESULTS.md"
     if not path.exists():
         path.write_text("# Benchmark results\n\n")
+    ratios = lambda key: f"{s[key][0]:.3f}x / {s[key][1]:.3f}x"  # noqa: E731
     row = (
-        f"\n| dspark planner (SIMULATION: SGLang's real DSPARK planner classes on CPU, synthetic drafter and step cost; "
-        f"x3 per-token load step at half time) | throughput ours/baseline before / after the load step: "
-        f"vs static (SGLang default) {s['ours_vs_static'][0]:.3f}x / {s['ours_vs_static'][1]:.3f}x; "
-        f"vs offline SPS table {s['ours_vs_sps_offline'][0]:.3f}x / {s['ours_vs_sps_offline'][1]:.3f}x; "
-        f"vs best fixed verify length L{s['best_fixed_verify_len'][0]} {s['online_vs_best_fixed']:.3f}x / "
-        f"{s['after_load_change_vs_best_fixed']:.3f}x (vs L{s['best_fixed_verify_len'][1]} in hindsight "
-        f"{s['after_load_change_vs_best_fixed_in_hindsight']:.3f}x); vs the same planner given the true cost "
-        f"{s['ours_vs_oracle_cost'][0]:.3f}x / {s['ours_vs_oracle_cost'][1]:.3f}x; SLA {s['sla_tokens_per_s']} tok/s/user "
-        f"attainment after the step: {s['sla_attainment_after']} | `{command}` |\n"
+        f"\n## dspark planner (issue 8): SIMULATION, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n"
+        f"SGLang 0.5.23's real DSPARK planner classes on CPU; synthetic drafter (calibrated confidences) and "
+        f"synthetic step cost; 32 requests, gamma 7, x3 per-token cost step at half time. No GPU ran DSPARK.\n\n"
+        f"| command | ours / baseline throughput, before / after the load step | SLA {s['sla_tokens_per_s']} tok/s/user attainment after |\n"
+        f"|---|---|---|\n"
+        f"| `{command}` | static (SGLang default) {ratios('ours_vs_static')}; offline SPS table {ratios('ours_vs_sps_offline')}; "
+        f"best fixed verify length L{s['best_fixed_verify_len'][0]} {s['online_vs_best_fixed']:.3f}x / "
+        f"{s['after_load_change_vs_best_fixed']:.3f}x (L{s['best_fixed_verify_len'][1]} in hindsight "
+        f"{s['after_load_change_vs_best_fixed_in_hindsight']:.3f}x); same planner given the true cost "
+        f"{ratios('ours_vs_oracle_cost')} | {s['sla_attainment_after']} |\n"
     )
     with path.open("a") as f:
         f.write(row)

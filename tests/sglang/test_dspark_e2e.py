@@ -1,0 +1,33 @@
+"""End to end: a real sglang.launch_server on the CPU platform with the dspark plugin enabled.
+
+SGLang's DSPARK cannot run on CPU (its resolution refuses devices other than CUDA/NPU/XPU), so
+this server is not speculative. What it shows: under KLLM_STRICT=1 every dspark hook resolves
+and attaches in the launcher and in SGLang's spawned processes, the ragged-verify default
+reaches the children's environment, and serving is unaffected.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kllm_plugins.testing.sglang_server import SGLangServer
+
+pytestmark = [pytest.mark.sglang, pytest.mark.e2e]
+
+
+def test_server_attaches_every_dspark_hook_in_every_process(tiny_model_path: Path) -> None:
+    env = {
+        # Not yet an entry point of the package: register the module directly.
+        "KLLM_EXTRA_PLUGINS": "kllm_plugins.plugins.dspark.hookimpls",
+        "KLLM_DSPARK_MIN_VERIFY_LEN": "2",
+    }
+    with SGLangServer(tiny_model_path, plugins=["dspark"], env=env) as srv:
+        out = srv.post_json("/generate", {"text": "hello", "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
+        assert out.get("text") is not None
+        sub = srv.grep_log(r"kllm-plugins .* active \(role=subprocess")
+        main = srv.grep_log(r"kllm dspark: ragged verify mode=")
+    assert len(sub) >= 2 and all("dspark" in line for line in sub)
+    # 2 host hooks + the 6 dspark ledger entries, all verified in each spawned process
+    assert all("hooks applied 8/8" in line for line in sub), sub
+    assert main and "mode=compact" in main[0] and "verify_len=[2," in main[0]
