@@ -95,26 +95,32 @@ def _run_long(core: str, page: int, prompt: int, chunk: int, incremental: bool, 
     }
 
 
-def _run_short(core: str, page: int, prompt: int, n: int, incremental: bool) -> float:
-    """Median per-request tree time (chunk checkpoint + finishing release) for short prompts."""
+def _run_short(core: str, page: int, prompt: int, n: int) -> tuple[float, float]:
+    """Median per-request tree time (chunk checkpoint + finishing release) for short prompts,
+    stock and ours. Both caches live side by side and take turns request by request (order
+    alternating), so load drift on a shared machine hits both equally."""
     from kllm_plugins.plugins.incr_prefix.sglang_adapter import build_cpu_cache
     from kllm_plugins.plugins.incr_prefix.sglang_testing import CacheDriver
 
-    cache, alloc, pool = build_cpu_cache(
-        page_size=page, kv_size=(prompt + 8) * 64, max_context_len=prompt + 64, max_num_reqs=8,
-        tree_core=core, incremental=incremental,
-    )
-    drv = CacheDriver(cache, alloc, pool)
-    times = []
+    drivers = []
+    for inc in (False, True):
+        cache, alloc, pool = build_cpu_cache(
+            page_size=page, kv_size=(prompt + 8) * 64, max_context_len=prompt + 64, max_num_reqs=8,
+            tree_core=core, incremental=inc,
+        )
+        drivers.append(CacheDriver(cache, alloc, pool))
+    times: tuple[list[float], list[float]] = ([], [])
     for i in range(n):
         tokens = [(i * 131 + j * 7) % 3000 + 1 for j in range(prompt)]
-        run = drv.admit(f"s{i}", tokens)
-        drv.extend(run, prompt)
-        tree = drv.last_tree_s
-        drv.decode(run, 5)
-        drv.finish(run)
-        times.append(tree + drv.last_tree_s)
-    return statistics.median(times)
+        for k in ((0, 1) if i % 2 == 0 else (1, 0)):
+            drv = drivers[k]
+            run = drv.admit(f"s{i}", tokens)
+            drv.extend(run, prompt)
+            tree = drv.last_tree_s
+            drv.decode(run, 5)
+            drv.finish(run)
+            times[k].append(tree + drv.last_tree_s)
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def _progress(total: int) -> Any:
@@ -148,7 +154,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-stock-s", type=float, default=8.0, help="no repeat of a point whose stock run took longer")
     ap.add_argument("--short-prompts", default="256,1024,4096")
-    ap.add_argument("--short-n", type=int, default=300)
+    ap.add_argument("--short-n", type=int, default=500)
     ap.add_argument("--quick", action="store_true", help="small grid for a smoke run")
     ap.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "results", "incr_prefix.json"))
     ap.add_argument("--results-md", default=os.path.join(ROOT, "benchmarks", "RESULTS.md"))
@@ -233,10 +239,10 @@ def main() -> None:
     for core in cores:
         for prompt in _sizes(args.short_prompts):
             s_vals, o_vals = [], []
-            for r in range(max(3, args.repeats)):
-                order = (False, True) if r % 2 == 0 else (True, False)
-                for inc in order:
-                    (o_vals if inc else s_vals).append(_run_short(core, 1, prompt, args.short_n, inc))
+            for r in range(max(5, args.repeats)):
+                ms_r, mo_r = _run_short(core, 1, prompt, args.short_n)
+                s_vals.append(ms_r)
+                o_vals.append(mo_r)
             ms, mo = statistics.median(s_vals), statistics.median(o_vals)
             short_points.append(
                 {"treecore": core, "page_size": 1, "prompt_tokens": prompt, "requests": args.short_n,

@@ -173,6 +173,13 @@ class IncrementalUnifiedRadixCache(UnifiedRadixCache):
     # ---- the checkpoint ----
 
     def checkpoint_into_tree(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
+        if self._kllm_unsupported:
+            # The whole cache is stock (e.g. Rust TreeCore): keep the per-checkpoint cost at a count.
+            self.kllm_counters.record_full(Reason.UNSUPPORTED_CACHE)
+            super().checkpoint_into_tree(req, up_to=up_to, **kwargs)
+            if self.kllm_observer is not None:
+                self.kllm_observer(self.kllm_counters)
+            return
         reason, prompt_touch = self._route(req, up_to, kwargs)
         if reason is None:
             start = req.kv.cache_protected_len
@@ -187,7 +194,8 @@ class IncrementalUnifiedRadixCache(UnifiedRadixCache):
 
     def on_release(self, req: Any, *, checkpointed: bool) -> None:
         # Finish, abort and retraction all release here; the state dies with the KV row.
-        setattr(req, _REQ_ATTR, None)
+        if getattr(req, _REQ_ATTR, None) is not None:
+            setattr(req, _REQ_ATTR, None)
         super().on_release(req, checkpointed=checkpointed)
         if self.kllm_observer is not None:
             self.kllm_observer(self.kllm_counters, flush=True)

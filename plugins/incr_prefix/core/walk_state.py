@@ -133,7 +133,8 @@ class IncrCounters:
 
     def record_full(self, reason: Reason) -> None:
         self.full_walks += 1
-        self.full_by_reason[reason.value] = self.full_by_reason.get(reason.value, 0) + 1
+        key = reason._value_  # plain attribute: `.value` is a descriptor call on every checkpoint
+        self.full_by_reason[key] = self.full_by_reason.get(key, 0) + 1
 
     @property
     def fallbacks(self) -> int:
