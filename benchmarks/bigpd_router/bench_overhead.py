@@ -20,7 +20,7 @@ import tempfile
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
-from loadgen import closed_loop, free_port, open_loop, py, spawn, stop, wait_http  # noqa: E402
+from loadgen import closed_loop, free_port, merge_results, open_loop, py, spawn, stop, wait_http  # noqa: E402
 
 FAKE = "kllm_plugins.plugins.bigpd_router.service.fake_backend"
 
@@ -53,7 +53,6 @@ def main() -> None:
     ap.add_argument("--duration-s", type=float, default=5.0)
     ap.add_argument("--routers", nargs="+", default=["kllm", "smg", "sglang-router"])
     ap.add_argument("--concurrency", type=int, default=32)
-    ap.add_argument("--out", default="benchmarks/results/bigpd_router_overhead.json")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="kllm-bench-")
     backends = []
@@ -114,9 +113,7 @@ def main() -> None:
         if s and s["added_ms"]["p99"] > 0:
             print(f"rate {r['rate_rps']:.0f} stream={r['stream']}: kllm/smg added-P99 ratio "
                   f"{r['added_ms']['p99'] / s['added_ms']['p99']:.2f}")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as fh:
-        json.dump({"command": " ".join(["python", *sys.argv]), "overhead": rows}, fh, indent=1)
+    merge_results("overhead", rows, " ".join(["python", *sys.argv]))
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from typing import Any
 import aiohttp
 
 sys.path.insert(0, os.path.dirname(__file__))
-from loadgen import free_port, py, quantile, spawn, stop, wait_http  # noqa: E402
+from loadgen import free_port, merge_results, py, quantile, spawn, stop, wait_http  # noqa: E402
 
 from kllm_plugins.testing.sglang_server import SGLangServer  # noqa: E402
 
@@ -84,7 +84,6 @@ def main() -> None:
     ap.add_argument("--max-total-tokens", type=int, default=4096)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--results-md", default="benchmarks/RESULTS.md")
-    ap.add_argument("--out", default="benchmarks/results/bigpd_router_routing.json")
     args = ap.parse_args()
     from kllm_plugins.models.tiny_llama import tiny_llama_path
 
@@ -123,9 +122,7 @@ def main() -> None:
         ratio = aff[key] / rr[key] if rr[key] else float("nan")
         print(f"{key:<14}{rr[key]:>14.3f}{aff[key]:>14.3f}{ratio:>8.2f}")
     cmd = "python " + " ".join(sys.argv)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as fh:
-        json.dump({"command": cmd, "routing": results}, fh, indent=1)
+    merge_results("routing", [dict(policy=k, **v) for k, v in results.items()], cmd)
     if args.results_md:
         new = not os.path.exists(args.results_md)
         with open(args.results_md, "a", encoding="utf-8") as fh:

@@ -172,7 +172,6 @@ def main() -> None:
     ap.add_argument("--start-delay-s", type=float, default=10.0)
     ap.add_argument("--cooldown-s", type=float, default=40.0)
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    ap.add_argument("--out", default="benchmarks/results/bigpd_router_scaling_sim.json")
     args = ap.parse_args()
     policy = ScalePolicy(up_load=0.8, down_load=0.35, up_sustain_s=10, down_sustain_s=60, cooldown_s=args.cooldown_s,
                          min_instances=1, max_instances=8, drain_timeout_s=120)
@@ -194,9 +193,10 @@ def main() -> None:
         ins = sorted(r["instance_seconds"] for r in sel)[len(sel) // 2]
         name = f"fixed {g}x(1P1D)" if setup == "fixed" else "pools+controller"
         print(f"            {name:<18} {att:>10.3f}            {ins:>12.0f}")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as fh:
-        json.dump({"command": " ".join(["python", *sys.argv]), "scaling": rows}, fh, indent=1)
+    sys.path.insert(0, os.path.dirname(__file__))
+    from loadgen import merge_results
+
+    merge_results("scaling", rows, " ".join(["python", *sys.argv]))
 
 
 if __name__ == "__main__":

@@ -114,3 +114,22 @@ async def closed_loop(url: str, body: dict[str, Any], concurrency: int, duration
 
 def py() -> str:
     return sys.executable
+
+
+def merge_results(key: str, rows: list[dict[str, Any]], command: str,
+                  path: str = "benchmarks/results/bigpd_router.json") -> None:
+    """Put one part (overhead, scaling, routing) into the plugin's combined results file."""
+    import json
+
+    data: dict[str, Any] = {}
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    commands = dict(data.get("commands", {}))
+    commands[key] = command
+    data["commands"] = commands
+    data["command"] = " && ".join(commands[k] for k in sorted(commands))
+    data[key] = rows
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(data, fh, indent=1)
