@@ -10,6 +10,7 @@ from typing import Any, Iterator
 
 import pytest
 
+from kllm_plugins.testing.hf_reference import hf_greedy
 from kllm_plugins.testing.sglang_server import SGLangServer
 
 pytestmark = [pytest.mark.sglang, pytest.mark.e2e]
@@ -29,19 +30,6 @@ def server(tiny_model_path: Path) -> Iterator[SGLangServer]:
 def trace_totals(server: SGLangServer) -> dict[str, int]:
     time.sleep(0.6)  # > publish interval: the idle pass has flushed
     return server.get_json("/kllm/stats")["trace"]["total"]
-
-
-def hf_greedy(model_path: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    outs = []
-    with torch.no_grad():
-        for ids in prompts:
-            gen = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-            outs.append(gen[0, len(ids):].tolist())
-    return outs
 
 
 def test_every_process_attached_the_plugin(server: SGLangServer) -> None:
