@@ -17,6 +17,7 @@ so with it every checkpoint takes the stock path (reason `unsupported_cache`).
 from __future__ import annotations
 
 import logging
+from time import perf_counter
 from typing import Any
 
 import torch
@@ -173,22 +174,28 @@ class IncrementalUnifiedRadixCache(UnifiedRadixCache):
     # ---- the checkpoint ----
 
     def checkpoint_into_tree(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
+        counters = self.kllm_counters
+        t0 = perf_counter()
         if self._kllm_unsupported:
             # The whole cache is stock (e.g. Rust TreeCore): keep the per-checkpoint cost at a count.
-            self.kllm_counters.record_full(Reason.UNSUPPORTED_CACHE)
+            counters.record_full(Reason.UNSUPPORTED_CACHE)
             super().checkpoint_into_tree(req, up_to=up_to, **kwargs)
+            counters.full_seconds += perf_counter() - t0
             if self.kllm_observer is not None:
-                self.kllm_observer(self.kllm_counters)
+                self.kllm_observer(counters)
             return
         reason, prompt_touch = self._route(req, up_to, kwargs)
         if reason is None:
             start = req.kv.cache_protected_len
             self._checkpoint_tail(req, up_to, prompt_touch)
-            self.kllm_counters.record_tail(req.kv.cache_protected_len - start, start)
+            counters.record_tail(req.kv.cache_protected_len - start, start)
+            self._save_state(req)
+            counters.tail_seconds += perf_counter() - t0
         else:
-            self.kllm_counters.record_full(reason)
+            counters.record_full(reason)
             super().checkpoint_into_tree(req, up_to=up_to, **kwargs)
-        self._save_state(req)
+            self._save_state(req)
+            counters.full_seconds += perf_counter() - t0
         if self.kllm_observer is not None:
             self.kllm_observer(self.kllm_counters)
 
@@ -197,8 +204,6 @@ class IncrementalUnifiedRadixCache(UnifiedRadixCache):
         if getattr(req, _REQ_ATTR, None) is not None:
             setattr(req, _REQ_ATTR, None)
         super().on_release(req, checkpointed=checkpointed)
-        if self.kllm_observer is not None:
-            self.kllm_observer(self.kllm_counters, flush=True)
 
     def _checkpoint_tail(self, req: Any, up_to: int, prompt_touch: int | None) -> None:
         """Stock `checkpoint_into_tree` for a FULL-only request, walking from the saved node

@@ -98,3 +98,28 @@ def test_plugin_declares_options_and_the_registry_patch() -> None:
     assert {o.name for o in spec.options} == {"enabled", "min_prefix_tokens", "verify", "force_python_treecore", "publish_interval_s"}
     (enabled,) = pm.build(["incr_prefix"], environ={"KLLM_INCR_PREFIX_MIN_PREFIX_TOKENS": "128", "KLLM_INCR_PREFIX_ENABLED": "0"})
     assert enabled.config == IncrPrefixConfig(enabled=False, min_prefix_tokens=128)
+
+
+def test_exporter_publishes_counters_to_stats_and_prometheus(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    pytest.importorskip("prometheus_client")
+    from prometheus_client import REGISTRY
+
+    from kllm_plugins import stats
+    from kllm_plugins.plugins.incr_prefix.stats_export import CounterExporter
+
+    monkeypatch.setenv("KLLM_RUN_DIR", str(tmp_path))
+    exporter = CounterExporter(IncrPrefixConfig(publish_interval_s=0.05), start_thread=False)
+    before = REGISTRY.get_sample_value("kllm_incr_prefix_tail_inserts_total") or 0.0
+    c = IncrCounters()
+    c.record_full(Reason.NO_STATE)
+    c.record_tail(new_tokens=64, skipped=64)
+    exporter(c)  # the scheduler's side: marks dirty, publishes nothing yet
+    assert stats.read_all(str(tmp_path)) == {}
+    exporter.sync()
+    c.record_tail(new_tokens=64, skipped=128)
+    exporter(c)
+    exporter.sync()
+    total = stats.read_all(str(tmp_path))["incr_prefix"]["total"]
+    assert total["tail_inserts"] == 2 and total["skipped_tokens"] == 192 and total["fallbacks"] == 0
+    assert REGISTRY.get_sample_value("kllm_incr_prefix_tail_inserts_total") - before == 2
+    assert REGISTRY.get_sample_value("kllm_incr_prefix_full_walks_total", {"reason": "no_state"}) >= 1

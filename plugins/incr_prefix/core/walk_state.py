@@ -125,6 +125,10 @@ class IncrCounters:
     """Protected-prefix tokens the fast path did not re-walk."""
     full_walks: int = 0
     full_by_reason: dict[str, int] = field(default_factory=dict)
+    tail_seconds: float = 0.0
+    """Wall time spent in tail-only checkpoints."""
+    full_seconds: float = 0.0
+    """Wall time spent in stock-path checkpoints (the first one of each request included)."""
 
     def record_tail(self, new_tokens: int, skipped: int) -> None:
         self.tail_inserts += 1
