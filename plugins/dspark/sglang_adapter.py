@@ -39,6 +39,10 @@ class DsparkState:
         self._writer: StatsWriter | None = None
         self._next_publish = 0.0
         self._failed = False
+        self.replicated_only = False
+        """Set under tensor parallelism: every rank must compute the same budget (the graph tier
+        is derived from it on each rank), and step times differ per rank, so the learned planner
+        stands aside until a rank-0 broadcast of the decision exists."""
 
     def _publish(self) -> None:
         now = time.monotonic()
@@ -126,6 +130,9 @@ def around_compute_verify_token_budget(original: Callable[..., Any], *args: Any,
     st = state()
     if st is None or args or st._failed:
         return original(*args, **kwargs)
+    if st.replicated_only:
+        st.counts["stock"] += 1
+        return original(*args, **kwargs)
     try:
         return st.plan(original, kwargs)
     except Exception:  # noqa: BLE001 - a planner bug must not take the server down
@@ -163,6 +170,13 @@ def after_planner_init(result: Any, self: Any, *args: Any, **kwargs: Any) -> Non
     cfg.max_verify_len = hi
     cfg.survival_eps = st.config.survival_eps
     cfg.validate()
+    tp_group = getattr(getattr(self, "_tp_sync", None), "_tp_group", None)
+    if int(getattr(tp_group, "world_size", 1) or 1) > 1:
+        st.replicated_only = True
+        logger.warning(
+            "kllm dspark: tp_size>1: per-rank step times would make ranks disagree on the verify budget; "
+            "the online planner is off (SGLang's own budget is used); verify-length options still apply"
+        )
     if not self.schedules_verify_budget:
         logger.warning(
             "kllm dspark: SGLANG_RAGGED_VERIFY_MODE=%s: SGLang plans no verify budget, the plugin has no effect",

@@ -112,7 +112,7 @@ def plugin_on(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[DsparkConfi
     os.environ.pop(hookimpls.RAGGED_ENV, None)
 
 
-def make_planner(bs_pool: int = 64) -> Any:
+def make_planner(bs_pool: int = 64, tp_size: int = 1) -> Any:
     runner = SimpleNamespace(
         req_to_token_pool=SimpleNamespace(
             req_generation=torch.ones(bs_pool, dtype=torch.int64), req_to_token=torch.zeros(bs_pool, 4)
@@ -126,7 +126,8 @@ def make_planner(bs_pool: int = 64) -> Any:
         device="cpu",
         tp_rank=0,
         verify_num_draft_tokens=GAMMA + 1,
-        tp_sync=SpecTpSync(SimpleNamespace(world_size=1, rank_in_group=0)),
+        # a one-process stand-in for a TP group: broadcast from rank 0 leaves values as they are
+        tp_sync=SpecTpSync(SimpleNamespace(world_size=tp_size, rank_in_group=0, broadcast=lambda values, src: values)),
     )
 
 
@@ -186,6 +187,20 @@ def test_plugin_changes_the_budget_sglang_computes(plugin_on: Callable[[DsparkCo
     # confident requests verify more than unconfident ones
     order = torch.argsort(conf[:, 0])
     assert lens[int(order[-1])] >= lens[int(order[0])]
+
+
+def test_tensor_parallel_keeps_sglangs_replicated_budget(plugin_on: Callable[[DsparkConfig], None]) -> None:
+    """Under TP every rank must reach the same budget; per-rank timings cannot guarantee it, so
+    the learned planner stands aside there while the verify-length options still apply."""
+    plugin_on(DsparkConfig(max_verify_len=6, explore_prob=0.0, warmup_explore_prob=0.0))
+    with get_context().override_server_args(max_running_requests=16):
+        planner = make_planner(tp_size=2)
+        st = adapter.state()
+        assert st is not None and st.replicated_only
+        teach(st, compute_bound, 8, 8 * 500)
+        budget, lens = step(planner, confidences(8), torch.full((8,), 500))
+    assert st.counts["model"] == 0 and st.counts["stock"] == 1
+    assert lens == [6] * 8  # stock's argmax over the flat seed table verifies all it may
 
 
 def test_min_and_max_verify_len_reach_sglangs_schedule(plugin_on: Callable[[DsparkConfig], None]) -> None:
