@@ -290,14 +290,17 @@ def before_host_pool_init(*args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], d
 
 
 def bind_direct_copy() -> Callable[[], bool]:
-    """Give HiCache's host pools a torch `transfer_kv_direct` where sgl-kernel provides none."""
+    """Give HiCache's host pools torch versions of the `direct` I/O ops where sgl-kernel provides none
+    (layer_first and page_first_direct layouts)."""
     from sglang.srt.mem_cache.pool_host import mha
 
-    from kllm_plugins.plugins.kv_tiers.core.direct_copy import transfer_kv_direct
+    from kllm_plugins.plugins.kv_tiers.core import direct_copy
 
-    if not hasattr(mha, "transfer_kv_direct"):
-        mha.transfer_kv_direct = transfer_kv_direct
-    return lambda: callable(getattr(mha, "transfer_kv_direct", None))
+    names = ("transfer_kv_direct", "transfer_kv_all_layer_direct_lf_pf", "transfer_kv_per_layer_direct_pf_lf")
+    for name in names:
+        if not hasattr(mha, name):
+            setattr(mha, name, getattr(direct_copy, name))
+    return lambda: all(callable(getattr(mha, n, None)) for n in names)
 
 
 def _inflight(cache: Any) -> tuple[int, int]:

@@ -127,3 +127,27 @@ def test_direct_copy_moves_rows_between_layer_lists(page_size: int) -> None:
         transfer_kv_direct(src, dst[:2], si, di)
     with pytest.raises(ValueError):
         transfer_kv_direct(src, dst, si, di[:3])
+
+
+def test_direct_copy_page_first_direct_round_trip() -> None:
+    from kllm_plugins.plugins.kv_tiers.core.direct_copy import (
+        transfer_kv_all_layer_direct_lf_pf,
+        transfer_kv_per_layer_direct_pf_lf,
+    )
+
+    layers, rows, heads, dim, page = 3, 64, 2, 4, 8
+    g = torch.Generator().manual_seed(1)
+    dev_k = [torch.randn(rows, heads, dim, generator=g) for _ in range(layers)]
+    dev_v = [torch.randn(rows, heads, dim, generator=g) for _ in range(layers)]
+    host_k = torch.zeros(6, layers, page, heads, dim)
+    host_v = torch.zeros(6, layers, page, heads, dim)
+    dev_idx = torch.arange(16, 32)  # two device pages
+    host_idx = torch.arange(24, 40)  # host pages 3 and 4
+    transfer_kv_all_layer_direct_lf_pf(dev_k + dev_v, [host_k, host_v], dev_idx, host_idx, page)
+    for layer in range(layers):
+        assert torch.equal(host_k[3, layer], dev_k[layer][16:24]) and torch.equal(host_v[4, layer], dev_v[layer][24:32])
+    assert host_k[:3].abs().sum() == 0 and host_k[5].abs().sum() == 0
+    back_k = torch.zeros(rows, heads, dim)
+    back_v = torch.zeros(rows, heads, dim)
+    transfer_kv_per_layer_direct_pf_lf([host_k, host_v], [back_k, back_v], host_idx, torch.arange(40, 56), 2, page)
+    assert torch.equal(back_k[40:56], dev_k[2][16:32]) and torch.equal(back_v[40:56], dev_v[2][16:32])
