@@ -53,9 +53,11 @@ class KllmPluginManager:
                         obj = getattr(obj, part)
                 except (ImportError, AttributeError) as exc:
                     raise KllmConfigError(f"kllm: cannot load {ENV_EXTRA} entry {ref!r}: {exc}") from None
-                self.pm.register(obj, name=ref)
+                if not self.pm.is_registered(obj):  # already known through its entry point
+                    self.pm.register(obj, name=ref)
         for name, obj in extra_plugins:
-            self.pm.register(obj, name=name)
+            if not self.pm.is_registered(obj):
+                self.pm.register(obj, name=name)
         try:
             self.pm.check_pending()
         except pluggy.PluginValidationError as exc:

@@ -93,3 +93,9 @@ def test_extra_plugins_from_environment(clean_env: pytest.MonkeyPatch) -> None:
 def test_duplicate_plugin_names_rejected(clean_env: pytest.MonkeyPatch) -> None:
     with pytest.raises(KllmConfigError, match="two plugins declare"):
         KllmPluginManager(extra_plugins=[("a", tp.Picky()), ("b", tp.Picky())], load_entry_points=False)
+
+
+def test_extra_plugin_already_installed_is_not_registered_twice(clean_env: pytest.MonkeyPatch) -> None:
+    clean_env.setenv("KLLM_EXTRA_PLUGINS", "kllm_plugins.plugins.trace.hookimpls")
+    manager = KllmPluginManager()
+    assert manager.names().count("trace") == 1
