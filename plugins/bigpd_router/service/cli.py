@@ -131,8 +131,15 @@ def main(argv: list[str] | None = None) -> None:
     app.on_startup.append(add_static)
     log.info("kllm-router on http://%s:%d policy=%s instances=%d actuator=%s", args.host, args.port,
              router.cfg.policy, len(items), args.actuator)
+    loop = None
+    try:  # uvloop roughly halves the per-request cost of the event loop where it is installed
+        import uvloop
+
+        loop = uvloop.new_event_loop()
+    except ImportError:
+        pass
     web.run_app(app, host=args.host, port=args.port, access_log=None, print=None,
-                shutdown_timeout=args.shutdown_timeout_s)
+                shutdown_timeout=args.shutdown_timeout_s, loop=loop)
     stop_all = getattr(router.actuator, "stop_all", None)
     if callable(stop_all):
         stop_all()
