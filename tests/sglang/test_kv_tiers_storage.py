@@ -225,3 +225,13 @@ def test_host_pool_hook_unpins_only_without_pinned_memory(monkeypatch) -> None:
     assert ad.before_host_pool_init("self", pin_memory=True, page_size=16) == (("self",), {"pin_memory": False, "page_size": 16})
     monkeypatch.setattr(type(current_platform), "is_pin_memory_available", lambda self, device=None: True)
     assert ad.before_host_pool_init("self", pin_memory=True) is None
+
+
+def test_every_patch_target_resolves_against_installed_sglang() -> None:
+    from kllm_plugins.attach import resolve_impl, resolve_target
+    from kllm_plugins.plugins.kv_tiers.hookimpls import kllm_declare
+
+    spec = kllm_declare()
+    for patch in spec.patches:
+        assert resolve_target(patch.target) is not None, patch.target
+        assert callable(resolve_impl(patch.impl)), patch.impl
