@@ -1,8 +1,6 @@
 """Layer: hook implementations (no SGLang import). Declares the kv_tiers plugin to the host."""
 from __future__ import annotations
 
-from typing import Any
-
 from kllm_plugins.hookspecs import hookimpl
 from kllm_plugins.plugins.kv_tiers.config import KvTiersConfig
 from kllm_plugins.spec import OptionSpec, PatchSpec, PluginSpec, parse_bool
@@ -99,7 +97,3 @@ def kllm_declare() -> PluginSpec:
         config_factory=KvTiersConfig,
     )
 
-
-@hookimpl
-def kllm_validate(config: Any, enabled: list[str]) -> None:
-    return None
