@@ -93,7 +93,8 @@ async def run(setup: str, phases: list[tuple[float, int]], args: argparse.Namesp
             lifetimes[u][0] = t0
         ok, total = await drive(rurl, phases, args.ttft_target_s)
         t1 = time.monotonic()
-        decisions = [(round(time.monotonic() - t0), d.action) for d in (router.controller.decisions if router.controller else [])]
+        decisions = [(round(d.at - t0), d.action, d.count)
+                     for d in (router.controller.decisions if router.controller else [])]
     finally:
         await runner.cleanup()
         act.stop_all()

@@ -62,6 +62,8 @@ class Decision:
     size: int
     count: int = 1
     """How many instances to add or remove."""
+    at: float = 0.0
+    """Clock value when the decision was made."""
 
 
 @dataclass
@@ -98,7 +100,7 @@ class PoolDecider:
         cooling = now - st.last_action < p.cooldown_s
 
         def out(action: str, reason: str, count: int = 1) -> Decision:
-            d = Decision(self.role, action, reason, cur, size, count)
+            d = Decision(self.role, action, reason, cur, size, count, now)
             if action != "hold":
                 st.last_action = now
                 st.above_since = st.below_since = None
