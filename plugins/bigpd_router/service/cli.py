@@ -41,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--scale-roles", default="", help="pools the controller scales, e.g. prefill,decode or plain")
     ap.add_argument("--local-model-path", help="local actuator: model path for new instances")
     ap.add_argument("--local-args", default="", help="local actuator: extra sglang.launch_server arguments")
-    ap.add_argument("--local-pd-backend", default="fake", help="local actuator: --disaggregation-transfer-backend")
+    ap.add_argument("--local-pd-backend", default="mooncake",
+                    help="local actuator: --disaggregation-transfer-backend (SGLang refuses 'fake' on prefill)")
     ap.add_argument("--k8s-namespace", default="default")
     ap.add_argument("--k8s-api", help="Kubernetes API URL (default: in-cluster config, then kubeconfig)")
     ap.add_argument("--k8s-deployment", action="append", default=[],
