@@ -298,3 +298,21 @@ def test_slo_load_reflects_measured_ttft() -> None:
             async with s.get(rurl + "/admin/loads") as r:
                 assert (await r.json())["pools"]["plain"]["load"] > 1.0
     run(go)
+
+
+def test_cli_options_environment_yaml_and_instances_file(tmp_path: Any) -> None:
+    from kllm_plugins.plugins.bigpd_router.service.cli import build_parser, config_from, instances_from
+
+    cfg_file = tmp_path / "kllm.yaml"
+    cfg_file.write_text("bigpd_router:\n  ttft_target_s: 0.7\n  max_retries: 3\n")
+    inst_file = tmp_path / "instances.yaml"
+    inst_file.write_text("- {url: 'http://p:1', role: prefill, bootstrap_port: 9000}\n- http://w:2\n")
+    args = build_parser().parse_args(["--config", str(cfg_file), "--instances-file", str(inst_file),
+                                      "--worker", "http://a:1", "--decode", "http://d:1", "--max-retries", "2"])
+    cfg = config_from(args, environ={"KLLM_BIGPD_ROUTER_TPOT_TARGET_S": "0.03"})
+    assert (cfg.ttft_target_s, cfg.tpot_target_s, cfg.max_retries) == (0.7, 0.03, 2)  # CLI > env > YAML
+    assert instances_from(args) == [
+        {"url": "http://a:1", "role": "plain"}, {"url": "http://d:1", "role": "decode"},
+        {"url": "http://p:1", "role": "prefill", "bootstrap_port": 9000}, {"url": "http://w:2"}]
+    with pytest.raises(Exception, match="policy"):
+        config_from(build_parser().parse_args(["--policy", "nope"]), environ={})
