@@ -20,6 +20,16 @@ if [ -f "$stamp" ]; then
   exit 0
 fi
 
+# 0. Mooncake (PD transfer and the distributed KV store) needs libibverbs even over TCP.
+if ! ldconfig -p 2>/dev/null | grep -q libibverbs.so.1; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    (apt-get install -y -q libibverbs1 >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libibverbs1 >/dev/null 2>&1; }) \
+      || echo "setup: could not install libibverbs1; Mooncake tests will skip"
+  else
+    echo "setup: libibverbs1 missing (apt-get install libibverbs1); Mooncake tests will skip"
+  fi
+fi
+
 # 1. torch first, pinned to what SGLang 0.5.23 declares (it lies on this machine's disk).
 pip install $PIP_QUIET -c requirements/constraints-cpu.txt torch torchvision
 # 2. SGLang without its declared dependencies (they pull CUDA kernel packages), then the
