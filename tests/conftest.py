@@ -5,12 +5,19 @@ Servers are owned by fixtures (module scope) and stopped by them; nothing global
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 
 HAS_SGLANG = importlib.util.find_spec("sglang") is not None
+
+# SGLang resolves its platform once per process and caches it. Tests that build real SGLang
+# objects in this process need the CPU platform, whichever test touches SGLang first; a
+# platform chosen by the user (e.g. on a GPU machine) is kept.
+os.environ.pop("SGLANG_USE_CPU_ENGINE", None)
+os.environ.setdefault("SGLANG_PLATFORM", "kllm_cpu")
 
 
 def _has_cuda() -> bool:
