@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from kllm_plugins.testing.sglang_server import SGLangServer
+from kllm_plugins.testing.hf_reference import hf_greedy
 
 pytestmark = [pytest.mark.sglang, pytest.mark.e2e]
 
@@ -24,19 +25,6 @@ def _prompts() -> list[list[int]]:
         base,  # a full hit on the finished first request, then decode
         [(i * 13) % 3000 + 10 for i in range(90)],  # short: two chunks
     ]
-
-
-def _hf_greedy(model_path: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    outs = []
-    with torch.no_grad():
-        for ids in prompts:
-            gen = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-            outs.append(gen[0, len(ids):].tolist())
-    return outs
 
 
 def test_outputs_identical_and_tail_inserts_counted(tiny_model_path: Path) -> None:
@@ -55,7 +43,7 @@ def test_outputs_identical_and_tail_inserts_counted(tiny_model_path: Path) -> No
         time.sleep(0.3)
         stats = srv.get_json("/kllm/stats").get("incr_prefix", {})
         assert srv.grep_log(r"incr_prefix: tail-only inserts off") == []
-    assert [r["output_ids"] for r in res] == _hf_greedy(tiny_model_path, prompts, 6)
+    assert [r["output_ids"] for r in res] == hf_greedy(tiny_model_path, prompts, 6)
     assert res[2]["meta_info"]["cached_tokens"] >= 640  # the tree the tail inserts built is matched
     total = stats["total"]
     # 700-token prompts in 64-token chunks: each long prompt checkpoints 10 times after its first
