@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 from kllm_plugins import runtime
 
@@ -23,8 +23,9 @@ class StatsWriter:
         self._last = float("-inf")
         self.writes = 0
 
-    def update(self, snapshot: dict[str, Any], changed: bool) -> None:
-        """Record that `snapshot` is current; write it now if due.
+    def update(self, snapshot: Callable[[], dict[str, Any]], changed: bool) -> None:
+        """Note a pass; write `snapshot()` now if due. The snapshot is built only when written,
+        so calling this on every scheduler pass costs a comparison, not a dict.
 
         changed=True (busy): written at most once per interval. changed=False (idle): pending
         changes are written at once, nothing is written when nothing changed.
@@ -36,7 +37,7 @@ class StatsWriter:
         now = time.monotonic()
         if changed and now - self._last < self.interval_s:
             return
-        self.write(snapshot)
+        self.write(snapshot())
         self._last = now
 
     def write(self, snapshot: dict[str, Any]) -> None:

@@ -52,7 +52,7 @@ class DsparkState:
         try:
             if self._writer is None:
                 self._writer = StatsWriter(NAME, self.config.publish_interval_s)
-            self._writer.update(self.snapshot(), changed=True)
+            self._writer.update(self.snapshot, changed=True)
         except OSError as exc:  # stats are best effort; never break a decode step
             logger.debug("kllm dspark: stats not written: %s", exc)
 

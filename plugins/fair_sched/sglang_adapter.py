@@ -79,7 +79,7 @@ class _State:
         return snap
 
     def publish(self, changed: bool) -> None:
-        self.writer.update(self.snapshot(), changed)
+        self.writer.update(self.snapshot, changed)
 
 
 _state: _State | None = None

@@ -31,13 +31,13 @@ class _Tracer:
             self._m_chunks.inc(num_reqs)
         elif kind == "decode":
             self._m_decode.inc()
-        snap = self.counters.snapshot()
         # Busy passes publish at most every interval; the first idle pass flushes what is pending.
-        self.writer.update(snap, changed=kind is not None)
-        now = time.monotonic()
-        if self.log_interval_s and kind is not None and now - self._last_log >= self.log_interval_s:
-            self._last_log = now
-            logger.info("kllm trace: %s", snap)
+        self.writer.update(self.counters.snapshot, changed=kind is not None)
+        if self.log_interval_s and kind is not None:
+            now = time.monotonic()
+            if now - self._last_log >= self.log_interval_s:
+                self._last_log = now
+                logger.info("kllm trace: %s", self.counters.snapshot())
 
 
 def _describe(batch: Any) -> tuple[str | None, int, int]:

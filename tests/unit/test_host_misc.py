@@ -21,14 +21,17 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_stats_writer_rate_limits_busy_and_flushes_idle(tmp_path: Path) -> None:
     w = stats.StatsWriter("demo", interval_s=3600, run_dir=str(tmp_path))
-    w.update({"n": 1}, changed=True)  # first busy write goes out
-    w.update({"n": 2}, changed=True)  # within the interval: held back
+    w.update(lambda: {"n": 1}, changed=True)  # first busy write goes out
+    w.update(lambda: {"n": 2}, changed=True)  # within the interval: held back
     assert json.loads(Path(w.path).read_text())["data"] == {"n": 1}
-    w.update({"n": 2}, changed=False)  # idle: flush the pending change
+    w.update(lambda: {"n": 2}, changed=False)  # idle: flush the pending change
     assert json.loads(Path(w.path).read_text())["data"] == {"n": 2}
     writes = w.writes
-    w.update({"n": 2}, changed=False)  # idle, nothing new: no write
+    w.update(lambda: {"n": 2}, changed=False)  # idle, nothing new: no write
     assert w.writes == writes
+    built: list[int] = []
+    w.update(lambda: built.append(1) or {"n": 3}, changed=True)  # held back: snapshot never built
+    assert built == []
 
 
 def test_read_all_sums_processes(tmp_path: Path) -> None:
