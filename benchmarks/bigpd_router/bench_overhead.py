@@ -1,20 +1,25 @@
-"""Router overhead: latency the router adds over talking to a backend directly, and max rate.
+"""Router overhead: latency the router adds over talking to a backend directly, CPU per request, max rate.
 
 Two fake SGLang backends that answer at once (kllm_plugins...service.fake_backend, no model
-path reported), then for each router (kllm-router, smg if installed, sglang-router if
-installed) the same open-loop load at each rate, plain and streaming, plus a closed-loop max
-rate. Added latency = router quantile - direct quantile at the same rate, from the same run.
-Client, routers and backends share this machine's cores: absolute numbers are machine-bound.
+path reported) and every router (kllm-router, smg, sglang-router where installed) run side by
+side for the whole benchmark. Each round measures, at each rate and for plain and streaming
+requests, the backend directly and then each router, in an order that rotates per round; the
+added latency of a router in a round is its quantile minus the direct quantile of that round,
+and the figures reported are medians over rounds. Router CPU per request comes from the
+router process's own CPU time during the open-loop run. The maximum rate is a closed loop
+(32 clients) per router per round. Client, routers and backends share this machine's cores.
 
-    python benchmarks/bigpd_router/bench_overhead.py --rates 200 500 --duration-s 5
+    python benchmarks/bigpd_router/bench_overhead.py --rates 200 500 1000 --duration-s 3 --rounds 3
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 from typing import Any
@@ -32,46 +37,53 @@ def router_cmd(name: str, port: int, workers: list[str]) -> list[str] | None:
         for w in workers:
             cmd += ["--worker", w]
         return cmd
-    exe = shutil.which(name if name == "smg" else "sglang-router") or (
-        os.path.join(os.path.dirname(py()), name) if os.path.exists(os.path.join(os.path.dirname(py()), name)) else None)
-    if name == "smg" and exe:
+    if name == "smg":
+        exe = shutil.which("smg") or os.path.join(os.path.dirname(py()), "smg")
+        if not os.path.exists(exe):
+            return None
         return [exe, "launch", "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
-                "--worker-urls", *workers]
+                "--prometheus-port", str(free_port()), "--worker-urls", *workers]
     if name == "sglang-router":
         try:
             import sglang_router  # noqa: F401
         except ImportError:
             return None
         return [py(), "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-                "--policy", "round_robin", "--worker-urls", *workers]
+                "--policy", "round_robin", "--prometheus-port", str(free_port()), "--worker-urls", *workers]
     return None
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process and its threads (Linux /proc)."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def med(xs: list[float]) -> float:
+    return round(statistics.median(xs), 3) if xs else float("nan")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rates", type=float, nargs="+", default=[200.0, 500.0])
-    ap.add_argument("--duration-s", type=float, default=5.0)
+    ap.add_argument("--rates", type=float, nargs="+", default=[200.0, 500.0, 1000.0])
+    ap.add_argument("--duration-s", type=float, default=3.0)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--routers", nargs="+", default=["kllm", "smg", "sglang-router"])
     ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--no-record", action="store_true", help="do not write results or RESULTS.md (smoke runs)")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="kllm-bench-")
-    backends = []
+    procs = []
     urls = []
     for i in range(2):
         port = free_port()
-        backends.append(spawn([py(), "-m", FAKE, "--port", str(port)], f"{tmp}/fake{i}.log"))
+        procs.append(spawn([py(), "-m", FAKE, "--port", str(port)], f"{tmp}/fake{i}.log"))
         urls.append(f"http://127.0.0.1:{port}")
-    for u in urls:
-        wait_http(u + "/health")
-    body_plain = {"text": "hello " * 20, "sampling_params": {"max_new_tokens": 4}}
-    body_stream = dict(body_plain, stream=True)
-    rows: list[dict[str, Any]] = []
+    routers: dict[str, tuple[str, int]] = {}
     try:
-        direct = {}
-        for rate in args.rates:
-            for stream, body in ((False, body_plain), (True, body_stream)):
-                direct[(rate, stream)] = asyncio.run(open_loop(urls[0] + "/generate", body, rate,
-                                                               args.duration_s, stream))
+        for u in urls:
+            wait_http(u + "/health")
         for name in args.routers:
             port = free_port()
             cmd = router_cmd(name, port, urls)
@@ -79,41 +91,86 @@ def main() -> None:
                 print(f"{name}: not installed, skipped")
                 continue
             proc = spawn(cmd, f"{tmp}/{name}.log")
-            try:
-                wait_http(f"http://127.0.0.1:{port}/health", 60)
-                url = f"http://127.0.0.1:{port}/generate"
-                asyncio.run(open_loop(url, body_plain, 50, 1.0))  # warm-up
-                max_rps = asyncio.run(closed_loop(url, body_plain, args.concurrency, args.duration_s))
-                for rate in args.rates:
-                    for stream, body in ((False, body_plain), (True, body_stream)):
-                        r = asyncio.run(open_loop(url, body, rate, args.duration_s, stream))
-                        d = direct[(rate, stream)]
-                        row = {"router": name, "rate_rps": rate, "stream": stream,
-                               "achieved_rps": round(r["achieved_rps"], 1), "ok": r["ok"], "n": r["n"],
-                               "added_ms": {"p50": round((r["p50"] - d["p50"]) * 1000, 3),
-                                            "p99": round((r["p99"] - d["p99"]) * 1000, 3)},
-                               "router_ms": {"p50": round(r["p50"] * 1000, 3), "p99": round(r["p99"] * 1000, 3)},
-                               "direct_ms": {"p50": round(d["p50"] * 1000, 3), "p99": round(d["p99"] * 1000, 3)},
-                               "max_rps": round(max_rps, 1)}
-                        rows.append(row)
-                        print(json.dumps(row))
-            finally:
-                stop(proc)
+            procs.append(proc)
+            wait_http(f"http://127.0.0.1:{port}/health", 60)
+            routers[name] = (f"http://127.0.0.1:{port}/generate", proc.pid)
+        body_plain = {"text": "hello " * 20, "sampling_params": {"max_new_tokens": 4}}
+        body_stream = dict(body_plain, stream=True)
+        for url, _ in routers.values():
+            asyncio.run(open_loop(url, body_plain, 100, 1.0))  # warm-up (connections, caches)
+        targets = [("direct", urls[0] + "/generate", None)] + [(n, u, pid) for n, (u, pid) in routers.items()]
+        samples: dict[tuple[str, float, bool], list[dict[str, float]]] = {}
+        max_rps: dict[str, list[float]] = {n: [] for n in routers}
+        cases = [(rate, stream) for rate in args.rates for stream in (False, True)]
+        total = args.rounds * (len(cases) * len(targets) + len(routers))
+        done = 0
+        for rnd in range(args.rounds):
+            for rate, stream in cases:
+                order = targets[:1] + targets[1:][rnd % max(1, len(targets) - 1):] + \
+                    targets[1:][:rnd % max(1, len(targets) - 1)]
+                for name, url, pid in order:
+                    cpu0 = cpu_seconds(pid) if pid else 0.0
+                    res = asyncio.run(open_loop(url, body_stream if stream else body_plain, rate, args.duration_s,
+                                                stream))
+                    res["cpu_ms_per_req"] = ((cpu_seconds(pid) - cpu0) * 1000 / max(1, res["ok"])) if pid else 0.0
+                    samples.setdefault((name, rate, stream), []).append(res)
+                    done += 1
+                    print(f"\r[{done}/{total}] round {rnd + 1} {name} rate {rate:.0f} stream={stream}   ",
+                          end="", file=sys.stderr, flush=True)
+            for name, (url, _) in routers.items():
+                max_rps[name].append(asyncio.run(closed_loop(url, body_plain, args.concurrency, args.duration_s)))
+                done += 1
+        print(file=sys.stderr)
     finally:
-        for b in backends:
-            stop(b)
-    print("\nrouter      rate  stream  added p50 ms  added p99 ms  max rps")
+        for p in procs:
+            stop(p)
+    rows: list[dict[str, Any]] = []
+    for name in routers:
+        for rate, stream in cases:
+            rs, ds = samples[(name, rate, stream)], samples[("direct", rate, stream)]
+            rows.append({
+                "router": name, "rate_rps": rate, "stream": stream,
+                "added_ms": {"p50": med([(r["p50"] - d["p50"]) * 1000 for r, d in zip(rs, ds)]),
+                             "p99": med([(r["p99"] - d["p99"]) * 1000 for r, d in zip(rs, ds)])},
+                "added_ms_rounds": {"p50": [round((r["p50"] - d["p50"]) * 1000, 3) for r, d in zip(rs, ds)],
+                                    "p99": [round((r["p99"] - d["p99"]) * 1000, 3) for r, d in zip(rs, ds)]},
+                "router_ms": {"p50": med([r["p50"] * 1000 for r in rs]), "p99": med([r["p99"] * 1000 for r in rs])},
+                "direct_ms": {"p50": med([d["p50"] * 1000 for d in ds]), "p99": med([d["p99"] * 1000 for d in ds])},
+                "achieved_rps": med([r["achieved_rps"] for r in rs]),
+                "failed": sum(r["n"] - r["ok"] for r in rs),
+                "cpu_ms_per_req": med([r["cpu_ms_per_req"] for r in rs]),
+                "max_rps": med(max_rps[name]), "max_rps_rounds": [round(x, 1) for x in max_rps[name]],
+                "rounds": args.rounds})
+    print("\nmedians over rounds; added = router - direct in the same round")
+    print("router         rate  stream  added p50 ms  added p99 ms  cpu ms/req  failed  max rps")
     for r in rows:
-        print(f"{r['router']:<12}{r['rate_rps']:>5.0f}  {str(r['stream']):<6}  {r['added_ms']['p50']:>12.3f}  "
-              f"{r['added_ms']['p99']:>12.3f}  {r['max_rps']:>7.0f}")
-    kllm = [r for r in rows if r["router"] == "kllm"]
-    smg = {(r["rate_rps"], r["stream"]): r for r in rows if r["router"] == "smg"}
-    for r in kllm:
-        s = smg.get((r["rate_rps"], r["stream"]))
-        if s and s["added_ms"]["p99"] > 0:
-            print(f"rate {r['rate_rps']:.0f} stream={r['stream']}: kllm/smg added-P99 ratio "
-                  f"{r['added_ms']['p99'] / s['added_ms']['p99']:.2f}")
-    merge_results("overhead", rows, " ".join(["python", *sys.argv]))
+        print(f"{r['router']:<14}{r['rate_rps']:>5.0f}  {str(r['stream']):<6}  {r['added_ms']['p50']:>12.3f}  "
+              f"{r['added_ms']['p99']:>12.3f}  {r['cpu_ms_per_req']:>10.3f}  {r['failed']:>6}  {r['max_rps']:>7.0f}")
+    by = {(r["router"], r["rate_rps"], r["stream"]): r for r in rows}
+    ratios = []
+    for rate, stream in cases:
+        k, s = by.get(("kllm", rate, stream)), by.get(("smg", rate, stream))
+        if k and s:
+            ratio = k["added_ms"]["p99"] / s["added_ms"]["p99"] if s["added_ms"]["p99"] > 0 else float("nan")
+            ratios.append(f"rate {rate:.0f} stream={stream}: added P99 kllm {k['added_ms']['p99']:.3f} ms vs smg "
+                          f"{s['added_ms']['p99']:.3f} ms (ratio {ratio:.2f}); P50 {k['added_ms']['p50']:.3f} vs "
+                          f"{s['added_ms']['p50']:.3f} ms")
+            print(ratios[-1])
+    if "kllm" in routers and "smg" in routers:
+        print(f"max rate (closed loop, {args.concurrency} clients): kllm {med(max_rps['kllm']):.0f} req/s vs smg "
+              f"{med(max_rps['smg']):.0f} req/s (ratio {med(max_rps['kllm']) / med(max_rps['smg']):.2f})")
+    if args.no_record:
+        return
+    command = " ".join(["python", *sys.argv])
+    merge_results("overhead", rows, command)
+    summary = "; ".join(
+        f"{r['router']} {r['rate_rps']:.0f}/s{' stream' if r['stream'] else ''}: +{r['added_ms']['p50']:.2f}/"
+        f"+{r['added_ms']['p99']:.2f} ms" for r in rows)
+    maxes = ", ".join(f"{n} {med(v):.0f}" for n, v in max_rps.items())
+    with open("benchmarks/RESULTS.md", "a", encoding="utf-8") as fh:
+        fh.write(f"| bigpd_router | router overhead {datetime.date.today()}, lean data path: 2 fake backends "
+                 f"answering at once, open loop, {args.rounds} interleaved rounds x {args.duration_s:.0f} s, "
+                 f"medians; added P50/P99 over direct | {summary}; max closed-loop req/s: {maxes} | `{command}` |\n")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,10 @@ class RouterConfig:
     """Granularity (characters of the prompt) of the router's approximate prefix tree."""
     affinity_max_blocks: int = 200_000
     """Blocks kept in the approximate prefix tree before least-recently-used leaves are evicted."""
+    kv_events: bool = True
+    """Subscribe to the KV events of instances that publish them and route prefills on them."""
+    tokenizer_path: str = ""
+    """Tokenizer for KV-event lookups of text prompts (empty: the path the instances report, if present here)."""
     request_timeout_s: float = 300.0
     """Whole-request timeout toward an instance."""
     first_token_timeout_s: float = 60.0

@@ -22,6 +22,8 @@ _HELP = {
     "affinity_weight": "trust in the approximate prefix tree (1: a matched prefix counts as cached)",
     "affinity_block_chars": "prompt characters per block of the approximate prefix tree",
     "affinity_max_blocks": "blocks kept in the approximate prefix tree (LRU)",
+    "kv_events": "subscribe to instances' KV events (--kv-events-config) and route prefills on them",
+    "tokenizer_path": "tokenizer for KV-event lookups of text prompts (default: the instances' own, if present)",
     "request_timeout_s": "whole-request timeout toward an instance",
     "first_token_timeout_s": "time to the first byte before retrying elsewhere",
     "max_retries": "retries on another instance when one fails before the first token",

@@ -18,7 +18,6 @@ from typing import Any, AsyncIterator, Iterator
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from kllm_plugins.plugins.bigpd_router.config import RouterConfig
 from kllm_plugins.plugins.bigpd_router.core.registry import Role
@@ -52,17 +51,10 @@ def start_pair(servers: list[SGLangServer]) -> None:
 @contextlib.asynccontextmanager
 async def running_router(cfg: RouterConfig, instances: list[tuple[str, Role | None]]) -> AsyncIterator[str]:
     router = Router(cfg)
-    runner = web.AppRunner(router.app(), shutdown_timeout=5)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        for url, role in instances:
-            await router.add_instance(url, role)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+    async with router.serving(shutdown_timeout_s=5) as url:
+        for inst, role in instances:
+            await router.add_instance(inst, role)
+        yield url
 
 
 async def post(s: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[int, bytes, str]:

@@ -222,7 +222,7 @@ def test_affinity_wins_when_loads_are_close_and_loses_when_far() -> None:
     assert p.pick_prefill([a, b], prompt, 200).instance is b
     b.pending_prefill_tokens = 100  # a little busier: the cache is still worth it
     choice = p.pick_prefill([a, b], prompt, 200)
-    assert choice.instance is b and choice.matched_blocks == 100
+    assert choice.instance is b and choice.cached_fraction == 100 / 100  # 800 chars / 8 per block, all sent to b
     b.pending_prefill_tokens = 5000  # much busier: load wins
     assert p.pick_prefill([a, b], prompt, 200).instance is a
 

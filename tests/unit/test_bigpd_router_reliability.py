@@ -67,10 +67,10 @@ def test_soak_1000_concurrent_streams_leaks_nothing() -> None:
                 inst = router.registry.get(u)
                 assert inst is not None
                 assert (inst.in_flight, inst.decoding, inst.pending_prefill_tokens) == (0, 0, 0)
-            # the router's upstream pool keeps a bounded set of keep-alive connections
-            assert router.session is not None
-            open_conns = sum(len(v) for v in router.session.connector._conns.values())  # type: ignore[union-attr]
-            assert open_conns <= 1100
+            # the router's upstream pool keeps a bounded set of keep-alive connections, and every
+            # connection it opened is either idle in the pool or was closed
+            pool = router.proxy.pool
+            assert pool.open == pool.idle_count() <= 1100
     run(go, 240)
 
 
@@ -84,7 +84,7 @@ def test_controller_scales_up_on_a_load_step_and_drains_down_after(tmp_path: obj
 
     async def go() -> None:
         router = Router(cfg, act, (Role.PLAIN,))
-        async with serve(router.app()) as rurl, aiohttp.ClientSession() as s:
+        async with router.serving() as rurl, aiohttp.ClientSession() as s:
             async def wait_for(pred: object, timeout: float) -> None:
                 deadline = time.monotonic() + timeout
                 while not pred():  # type: ignore[operator]

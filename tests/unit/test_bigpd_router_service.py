@@ -37,7 +37,7 @@ async def cluster(backends: list[FakeBackend], cfg: RouterConfig,
     async with contextlib.AsyncExitStack() as stack:
         urls = [await stack.enter_async_context(serve(b.app())) for b in backends]
         router = Router(cfg)
-        rurl = await stack.enter_async_context(serve(router.app()))
+        rurl = await stack.enter_async_context(router.serving())
         for url, role in zip(urls, roles or [None] * len(urls)):
             await router.add_instance(url, Role(role) if role else None)
         yield router, rurl, urls
@@ -237,7 +237,7 @@ def test_admin_api_add_remove_with_drain() -> None:
             ua = await stack.enter_async_context(serve(a.app()))
             ub = await stack.enter_async_context(serve(b.app()))
             router = Router(RouterConfig(**FAST))
-            rurl = await stack.enter_async_context(serve(router.app()))
+            rurl = await stack.enter_async_context(router.serving())
             s = await stack.enter_async_context(aiohttp.ClientSession())
             st, body, _ = await post(s, rurl + "/admin/instances", {"url": ua})
             assert st == 201 and json.loads(body)["role"] == "plain"

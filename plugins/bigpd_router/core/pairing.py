@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import threading
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 from urllib.parse import urlsplit
 
 from kllm_plugins.plugins.bigpd_router.core.prefix_tree import Prompt, PrefixTree
@@ -35,8 +35,8 @@ class NoInstance(RuntimeError):
 @dataclass(frozen=True)
 class PrefillChoice:
     instance: Instance
-    matched_blocks: int
-    total_blocks: int
+    cached_fraction: float
+    """Part of the prompt the instance probably holds (KV events, or the prefix tree)."""
     score: float
 
 
@@ -86,29 +86,36 @@ class Picker:
                 for c in cands}
 
     def pick_prefill(self, cands: Sequence[Instance], prompt: Prompt, prompt_tokens: int,
-                     exclude: frozenset[str] = frozenset()) -> PrefillChoice:
+                     exclude: frozenset[str] = frozenset(),
+                     known: Mapping[str, float] | None = None) -> PrefillChoice:
+        """`known`: url -> cached fraction of the prompt from the instance's own KV events; it replaces
+        the approximate prefix tree for the instances it names."""
         cands = _usable(cands, exclude)
         if not cands:
             raise NoInstance("no routable prefill/plain instance")
-        total = self.tree.blocks_of(prompt)
         if self.policy == "round_robin":
-            inst = self._round_robin(cands)
-            return PrefillChoice(inst, 0, total, 0.0)
-        matches = self.tree.match(prompt) if self.policy == "slo_affinity" and total else {}
+            return PrefillChoice(self._round_robin(cands), 0.0, 0.0)
+        frac: dict[str, float] = {}
+        if self.policy == "slo_affinity":
+            if known is None or any(c.url not in known for c in cands):
+                total = self.tree.blocks_of(prompt)
+                if total:
+                    frac = {url: n / total for url, n in self.tree.match(prompt).items()}
+            if known:
+                frac.update(known)
         rates = self._rates(cands)
-        scored = [(self.prefill_score(c, prompt_tokens, matches.get(c.url, 0) / total if total else 0.0,
-                                      rates[c.url]), c) for c in cands]
+        scored = [(self.prefill_score(c, prompt_tokens, frac.get(c.url, 0.0), rates[c.url]), c) for c in cands]
         best = min(score for score, _ in scored)
         # near-equal predictions are a tie: the longer cached prefix wins, then fewer requests in
         # flight, then rotation, so idle instances share new prefixes instead of piling on one
         tied = [c for score, c in scored if score <= best + TIE_EPS]
-        top = max(matches.get(c.url, 0) for c in tied)
-        tied = [c for c in tied if matches.get(c.url, 0) == top]
+        top = max(frac.get(c.url, 0.0) for c in tied)
+        tied = [c for c in tied if frac.get(c.url, 0.0) == top]
         low = min(c.in_flight for c in tied)
         tied = [c for c in tied if c.in_flight == low]
         chosen = tied[0] if len(tied) == 1 else self._round_robin(tied)
         score = next(sc for sc, c in scored if c is chosen)
-        return PrefillChoice(chosen, matches.get(chosen.url, 0), total, score)
+        return PrefillChoice(chosen, frac.get(chosen.url, 0.0), score)
 
     def decode_score(self, inst: Instance, prefill: Instance | None) -> float:
         score = tpot_pred(inst) / self.tpot_target_s

@@ -71,6 +71,9 @@ class Instance:
     drain_started: float | None = None
     managed: bool = False
     """True when an actuator started this instance (so the controller may stop it)."""
+    kv_events: dict[str, object] | None = None
+    """The instance's KV-event publisher as /server_info describes it (None: it does not publish)."""
+    tokenizer_path: str | None = None
 
     @property
     def routable(self) -> bool:
@@ -100,6 +103,7 @@ class Instance:
                 "token_usage": self.reported.token_usage,
             },
             "managed": self.managed,
+            "kv_events": bool(self.kv_events),
         }
 
 

@@ -12,6 +12,17 @@ from typing import Any
 
 from kllm_plugins.plugins.bigpd_router.core.prefix_tree import Prompt
 
+try:  # a fifth of json's cost on the small bodies the router sees
+    import orjson
+
+    def loads(raw: bytes) -> Any:
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError:  # what orjson refuses but json reads (integers over 64 bits, NaN)
+            return json.loads(raw)
+except ImportError:  # pragma: no cover - orjson ships with SGLang
+    loads = json.loads
+
 
 class BadRequest(ValueError):
     """The body is malformed; the message is returned to the client with HTTP 400."""
@@ -59,8 +70,8 @@ def _positive_int(body: dict[str, Any], key: str) -> int | None:
 def parse(endpoint: str, raw: bytes) -> RequestShape:
     """endpoint is one of "generate", "completions", "chat"."""
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        body = loads(raw)
+    except ValueError as exc:
         raise BadRequest(f"body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise BadRequest("body must be a JSON object")

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import shlex
+import signal
 from typing import Any
 
 import yaml
-from aiohttp import web
 
 from kllm_plugins.options import cli_dest, load_yaml_config, resolve_options
 from kllm_plugins.plugins.bigpd_router.config import RouterConfig
@@ -119,31 +120,40 @@ async def register_all(router: Router, items: list[dict[str, Any]]) -> None:
             log.error("cannot add instance %s: %s", item["url"], exc)
 
 
+async def serve(router: Router, args: argparse.Namespace, items: list[dict[str, Any]]) -> None:
+    """Run until SIGTERM/SIGINT, then shut down gracefully (streams in flight may finish)."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await router.start()
+    await register_all(router, items)
+    port = await router.serve(args.host, args.port)
+    log.info("kllm-router on http://%s:%d policy=%s instances=%d actuator=%s", args.host, port,
+             router.cfg.policy, len(items), args.actuator)
+    await stop.wait()
+    log.info("shutting down: waiting up to %.0f s for requests in flight", args.shutdown_timeout_s)
+    await router.shutdown(args.shutdown_timeout_s)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logs.setup(args.log_level, args.log_format == "json")
     router = build_router(args)
-    app = router.app()
     items = instances_from(args)
-
-    async def add_static(_: web.Application) -> None:
-        await register_all(router, items)
-
-    app.on_startup.append(add_static)
-    log.info("kllm-router on http://%s:%d policy=%s instances=%d actuator=%s", args.host, args.port,
-             router.cfg.policy, len(items), args.actuator)
-    loop = None
     try:  # uvloop roughly halves the per-request cost of the event loop where it is installed
         import uvloop
 
-        loop = uvloop.new_event_loop()
+        runner = uvloop.run
     except ImportError:
-        pass
-    web.run_app(app, host=args.host, port=args.port, access_log=None, print=None,
-                shutdown_timeout=args.shutdown_timeout_s, loop=loop)
-    stop_all = getattr(router.actuator, "stop_all", None)
-    if callable(stop_all):
-        stop_all()
+        runner = asyncio.run
+    gc.freeze()  # start-up objects never change: keep them out of the collector's work (shorter pauses)
+    try:
+        runner(serve(router, args, items))
+    finally:
+        stop_all = getattr(router.actuator, "stop_all", None)
+        if callable(stop_all):
+            stop_all()
 
 
 if __name__ == "__main__":

@@ -35,5 +35,7 @@ class RouterMetrics:
             "kllm_bigpd_router_scale_actions_total", "scaling decisions carried out", ("pool", "action"))
         self.prompt_tokens: Any = metrics.counter(
             "kllm_bigpd_router_prompt_tokens_total", "prompt tokens reported by instances")
+        self.kv_lookups: Any = metrics.counter(
+            "kllm_bigpd_router_kv_lookups_total", "prefill choices made on KV-event matches")
         self.cached_tokens: Any = metrics.counter(
             "kllm_bigpd_router_cached_tokens_total", "prompt tokens the instances served from their prefix cache")

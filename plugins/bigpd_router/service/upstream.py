@@ -45,6 +45,8 @@ async def probe(session: aiohttp.ClientSession, url: str, timeout_s: float = 5.0
         "capacity_tokens": int(info.get("max_total_num_tokens") or 0),
         "bootstrap_port": info.get("disaggregation_bootstrap_port") if role is Role.PREFILL else None,
         "transfer_backend": info.get("disaggregation_transfer_backend"),
+        "kv_events": info.get("kv_events") if isinstance(info.get("kv_events"), dict) else None,
+        "tokenizer_path": info.get("tokenizer_path") if isinstance(info.get("tokenizer_path"), str) else None,
     }
 
 

@@ -1,0 +1,133 @@
+"""Layer: service (no SGLang import). The router's background loops.
+
+Active health checks (and re-probing of instances that come up), polling of SGLang's
+`/v1/loads`, removal of drained instances, the scaling controller, and pruning of idle
+upstream connections. Each loop survives its own failures.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import aiohttp
+
+from kllm_plugins.plugins.bigpd_router.core.registry import Health, Instance, Role
+from kllm_plugins.plugins.bigpd_router.service.upstream import parse_loads, probe
+
+if TYPE_CHECKING:
+    from kllm_plugins.plugins.bigpd_router.service.router import Router
+
+log = logging.getLogger("kllm.bigpd_router.loops")
+NET_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
+
+
+class ControlLoops:
+    def __init__(self, router: Router) -> None:
+        self.r = router
+
+    def start(self) -> list[asyncio.Task[None]]:
+        r = self.r
+        tasks = [asyncio.create_task(self.health_loop())]
+        if r.cfg.loads_interval_s > 0:
+            tasks.append(asyncio.create_task(self.loads_loop()))
+        if r.controller is not None and r.cfg.scale_interval_s > 0:
+            tasks.append(asyncio.create_task(self.scale_loop()))
+        else:
+            tasks.append(asyncio.create_task(self.drain_loop()))
+        return tasks
+
+    async def stop(self, tasks: list[asyncio.Task[None]]) -> None:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _check(self, inst: Instance, timeout: aiohttp.ClientTimeout) -> None:
+        session = self.r.session
+        assert session is not None
+        try:
+            async with session.get(inst.url + "/health", timeout=timeout) as resp:
+                ok = resp.status == 200
+        except NET_ERRORS:
+            ok = False
+        if ok and (inst.health is Health.STARTING or (inst.role is Role.PREFILL and inst.bootstrap_port is None)):
+            try:
+                info = await probe(session, inst.url)
+                inst.capacity_tokens = info["capacity_tokens"] or inst.capacity_tokens
+                inst.bootstrap_port = inst.bootstrap_port or info["bootstrap_port"]
+                if info.get("kv_events") and not inst.kv_events:
+                    inst.kv_events = info["kv_events"]
+                    self.r.kv_feed.subscribe(inst)
+            except ConnectionError:
+                ok = False
+        self.r.registry.mark_check(inst.url, ok)
+
+    async def health_loop(self) -> None:
+        r = self.r
+        # generous on purpose: a busy instance answers /health late, and a false "down" costs more
+        timeout = aiohttp.ClientTimeout(total=max(5.0, r.cfg.health_interval_s))
+        while True:
+            await asyncio.gather(*(self._check(i, timeout) for i in r.registry), return_exceptions=True)
+            r.update_gauges()
+            r.proxy.pool.prune()
+            await asyncio.sleep(r.cfg.health_interval_s)
+
+    async def _poll(self, inst: Instance, timeout: aiohttp.ClientTimeout) -> None:
+        session = self.r.session
+        assert session is not None
+        try:
+            async with session.get(inst.url + "/v1/loads?include=core,memory", timeout=timeout) as resp:
+                if resp.status != 200:
+                    return
+                loads = parse_loads(await resp.json(content_type=None))
+        except (*NET_ERRORS, json.JSONDecodeError):
+            return
+        rep = inst.reported
+        rep.running_reqs, rep.waiting_reqs = int(loads["running"]), int(loads["waiting"])
+        rep.waiting_tokens = int(loads["waiting_tokens"])
+        rep.token_usage = loads["used"] / loads["total"] if loads["total"] else 0.0
+        rep.gen_throughput, rep.at = loads["gen"], time.monotonic()
+        if loads["total"] and not inst.capacity_tokens:
+            inst.capacity_tokens = int(loads["total"])
+
+    async def loads_loop(self) -> None:
+        r = self.r
+        timeout = aiohttp.ClientTimeout(total=max(1.0, r.cfg.loads_interval_s * 2))
+        while True:
+            await asyncio.gather(*(self._poll(i, timeout) for i in r.registry if i.routable), return_exceptions=True)
+            await asyncio.sleep(r.cfg.loads_interval_s)
+
+    async def drain_loop(self) -> None:
+        """Without a controller: remove drained instances once their in-flight requests are done."""
+        r = self.r
+        while True:
+            now = time.monotonic()
+            for inst in list(r.registry):
+                if inst.health is Health.DRAINING and inst.drain_started is not None and (
+                        inst.in_flight == 0 or now - inst.drain_started >= r.cfg.drain_timeout_s):
+                    r.registry.remove(inst.url)
+                    if inst.managed and r.actuator is not None:
+                        await asyncio.to_thread(r.actuator.remove, inst.url, inst.role)
+            await asyncio.sleep(0.2)
+
+    async def scale_loop(self) -> None:
+        r = self.r
+        assert r.controller is not None
+        discover = getattr(r.actuator, "discover", None)
+        while True:
+            try:
+                if callable(discover):  # e.g. Kubernetes: pods join once they are Ready
+                    for role in r.controller.deciders:
+                        for url in await asyncio.to_thread(discover, role):
+                            if url not in r.registry:
+                                inst = await r.add_instance(url, role, managed=True)
+                                log.info("discovered instance url=%s role=%s", inst.url, role.value)
+                decisions = await asyncio.to_thread(r.controller.step)
+                for d in decisions:
+                    if d.action != "hold":
+                        r.metrics.scale_actions.labels(d.role.value, d.action).inc()
+            except Exception:  # a failing actuator must not kill the router
+                log.exception("scaling step failed")
+            await asyncio.sleep(r.cfg.scale_interval_s)

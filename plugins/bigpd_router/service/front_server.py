@@ -1,0 +1,218 @@
+"""Layer: service (no SGLang import). The client-facing HTTP/1.1 server of kllm-router.
+
+One task per client connection reads requests one after the other (keep-alive, pipelining by
+order), hands each to the router as an `Exchange` and writes the answer straight to the socket:
+a whole response in one write, or a chunked stream. Bodies larger than the limit are refused
+before they are read. Shutdown stops accepting, closes idle keep-alive connections at once and
+lets requests in flight finish (up to a timeout).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from typing import Any, Awaitable, Callable, Iterable
+
+try:
+    import orjson
+
+    def dumps(obj: Any) -> bytes:
+        return orjson.dumps(obj)
+except ImportError:  # pragma: no cover - orjson ships with SGLang
+    import json
+
+    def dumps(obj: Any) -> bytes:
+        return json.dumps(obj).encode()
+
+from kllm_plugins.plugins.bigpd_router.service.http_wire import (
+    LAST_CHUNK,
+    MAX_HEAD_BYTES,
+    BadHttp,
+    ChunkedDecoder,
+    RequestHead,
+    body_length,
+    chunk,
+    parse_request_head,
+    response_head,
+)
+
+log = logging.getLogger("kllm.bigpd_router.front")
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
+class Exchange:
+    """One request and the means to answer it, once (whole or as a stream)."""
+
+    __slots__ = ("head", "body", "writer", "status", "streaming", "keep_alive", "refused")
+
+    def __init__(self, head: RequestHead, body: bytes, writer: asyncio.StreamWriter, keep_alive: bool) -> None:
+        self.head = head
+        self.body = body
+        self.writer = writer
+        self.status = 0
+        self.streaming = False
+        self.keep_alive = keep_alive
+        self.refused: tuple[int, str] | None = None
+        """Set by the server when it would not read the body (too large, unreadable): answer this."""
+
+    @property
+    def answered(self) -> bool:
+        return self.status != 0
+
+    def header(self, name: str, default: str | None = None) -> str | None:
+        return self.head.headers.get(name, default)
+
+    def reply(self, status: int, body: bytes, content_type: str = "application/json",
+              headers: Iterable[tuple[str, str]] = ()) -> None:
+        self.status = status
+        self.writer.write(response_head(status, [("Content-Type", content_type), *headers], len(body),
+                                        self.keep_alive) + body)
+
+    def reply_json(self, status: int, obj: Any, headers: Iterable[tuple[str, str]] = ()) -> None:
+        self.reply(status, dumps(obj), "application/json", headers)
+
+    def start_stream(self, status: int, headers: Iterable[tuple[str, str]], first: bytes = b"") -> None:
+        self.status = status
+        self.streaming = True
+        head = response_head(status, headers, None, self.keep_alive)
+        self.writer.write(head + chunk(first) if first else head)
+
+    async def send(self, data: bytes) -> None:
+        """One piece of a stream; raises ConnectionResetError when the client has gone."""
+        if data:
+            self.writer.write(chunk(data))
+        await self.writer.drain()
+
+    async def end_stream(self, data: bytes = b"") -> None:
+        self.writer.write(chunk(data) + LAST_CHUNK if data else LAST_CHUNK)
+        await self.writer.drain()
+
+
+Handler = Callable[[Exchange], Awaitable[None]]
+
+
+class FrontServer:
+    def __init__(self, handler: Handler, max_body_bytes: int) -> None:
+        self.handler = handler
+        self.max_body_bytes = max_body_bytes
+        self.server: asyncio.base_events.Server | None = None
+        self.port = 0
+        self.closing = False
+        self._idle: set[asyncio.StreamWriter] = set()
+        self._busy = 0
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    async def start(self, host: str, port: int) -> int:
+        self.server = await asyncio.start_server(self._client, host, port, limit=MAX_HEAD_BYTES, backlog=4096,
+                                                 reuse_address=True)
+        self.port = int(self.server.sockets[0].getsockname()[1])
+        return self.port
+
+    @property
+    def connections(self) -> int:
+        return len(self._writers)
+
+    async def _read_body(self, head: RequestHead, reader: asyncio.StreamReader,
+                         writer: asyncio.StreamWriter) -> tuple[bytes, tuple[int, str] | None]:
+        try:
+            length = body_length(head.headers)
+        except BadHttp as exc:
+            return b"", (400, str(exc))
+        if length is not None and length > self.max_body_bytes:
+            return b"", (413, f"body larger than {self.max_body_bytes} bytes")
+        if head.headers.get("expect", "").lower() == "100-continue":
+            writer.write(CONTINUE)
+        if length is not None:
+            return (await reader.readexactly(length) if length > 0 else b""), None
+        dec, parts, size = ChunkedDecoder(), [], 0
+        while not dec.done:
+            data = await reader.read(65536)
+            if not data:
+                raise asyncio.IncompleteReadError(b"", None)
+            for piece in dec.feed(data):
+                size += len(piece)
+                parts.append(piece)
+            if size > self.max_body_bytes:
+                return b"", (413, f"body larger than {self.max_body_bytes} bytes")
+        return b"".join(parts), None
+
+    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._writers.add(writer)
+        try:
+            while not self.closing:
+                self._idle.add(writer)
+                try:
+                    raw = await reader.readuntil(b"\r\n\r\n")
+                except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+                    return
+                except (asyncio.LimitOverrunError, ValueError):
+                    writer.write(response_head(431, [], 0, False))
+                    return
+                finally:
+                    self._idle.discard(writer)
+                self._busy += 1
+                try:
+                    if not await self._one(raw, reader, writer):
+                        return
+                finally:
+                    self._busy -= 1
+        finally:
+            self._writers.discard(writer)
+            writer.close()
+
+    async def _one(self, raw: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        """Serve one request; False when the connection must not be reused."""
+        try:
+            head = parse_request_head(raw)
+        except BadHttp as exc:
+            writer.write(response_head(400, [("Content-Type", "text/plain")], len(str(exc)), False)
+                         + str(exc).encode())
+            return False
+        try:
+            body, refused = await self._read_body(head, reader, writer)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return False
+        except BadHttp as exc:
+            body, refused = b"", (400, str(exc))
+        ex = Exchange(head, body, writer, head.keep_alive and refused is None and not self.closing)
+        ex.refused = refused
+        try:
+            await self.handler(ex)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            return False
+        except Exception:
+            log.exception("handler failed path=%s", head.path)
+            if ex.answered:
+                return False
+            ex.keep_alive = False
+            ex.reply_json(500, {"error": {"message": "internal router error", "type": "internal_error",
+                                          "code": 500}})
+        if not ex.answered:
+            ex.reply(500, b"", "text/plain")
+        try:
+            await writer.drain()
+        except ConnectionError:
+            return False
+        return ex.keep_alive
+
+    async def shutdown(self, timeout_s: float) -> None:
+        """Stop accepting, close idle connections, wait up to timeout_s for requests in flight."""
+        self.closing = True
+        if self.server is not None:
+            self.server.close()
+        for w in list(self._idle):
+            w.close()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self._busy and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        for w in list(self._writers):
+            w.close()
+        if self.server is not None:
+            try:
+                await asyncio.wait_for(self.server.wait_closed(), 1.0)
+            except asyncio.TimeoutError:
+                pass

@@ -1,0 +1,149 @@
+"""Layer: service (no SGLang import). HTTP/1.1 on the wire: the little the router needs of it.
+
+Request and response heads are parsed from the bytes up to the blank line; bodies are framed by
+Content-Length, chunked transfer coding, or (responses only) the end of the connection. Nothing
+here does I/O: `front_server` and `upstream_pool` feed it bytes and write what it builds, so a
+proxied request costs one parse of each head and no copy of the body beyond the socket buffers.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+REASONS = {100: "Continue", 200: "OK", 201: "Created", 202: "Accepted", 204: "No Content",
+           400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 408: "Request Timeout",
+           409: "Conflict", 413: "Payload Too Large", 431: "Request Header Fields Too Large", 499: "Client Closed Request", 500: "Internal Server Error",
+           502: "Bad Gateway", 503: "Service Unavailable", 504: "Gateway Timeout"}
+MAX_HEAD_BYTES = 64 * 1024
+
+
+class BadHttp(ValueError):
+    """The peer sent something that is not HTTP/1.x we can read; the connection is not reused."""
+
+
+class RequestHead:
+    __slots__ = ("method", "path", "query", "version", "headers", "keep_alive")
+
+    def __init__(self, method: str, path: str, query: str, version: str, headers: dict[str, str]) -> None:
+        self.method = method
+        self.path = path
+        self.query = query
+        self.version = version
+        self.headers = headers
+        conn = headers.get("connection", "").lower()
+        self.keep_alive = ("close" not in conn) if version == "HTTP/1.1" else ("keep-alive" in conn)
+
+
+def _headers(lines: list[bytes]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for line in lines:
+        name, sep, value = line.partition(b":")
+        if not sep or not name or name != name.strip():
+            raise BadHttp(f"malformed header line {line[:80]!r}")
+        key = name.decode("latin-1").lower()
+        val = value.strip().decode("latin-1")
+        out[key] = f"{out[key]}, {val}" if key in out else val
+    return out
+
+
+def parse_request_head(data: bytes) -> RequestHead:
+    """`data` ends with the blank line (CRLF CRLF)."""
+    lines = data.rstrip(b"\r\n").split(b"\r\n")
+    parts = lines[0].split(b" ")
+    if len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):
+        raise BadHttp(f"malformed request line {lines[0][:80]!r}")
+    target = parts[1].decode("latin-1")
+    path, _, query = target.partition("?")
+    return RequestHead(parts[0].decode("latin-1"), path, query, parts[2].decode("latin-1"), _headers(lines[1:]))
+
+
+def parse_response_head(data: bytes) -> tuple[int, dict[str, str]]:
+    lines = data.rstrip(b"\r\n").split(b"\r\n")
+    parts = lines[0].split(b" ", 2)
+    if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
+        raise BadHttp(f"malformed status line {lines[0][:80]!r}")
+    return int(parts[1]), _headers(lines[1:])
+
+
+def body_length(headers: dict[str, str]) -> int | None:
+    """Content-Length, or None when the body is chunked; raises on a value that is not a length."""
+    if "chunked" in headers.get("transfer-encoding", "").lower():
+        return None
+    raw = headers.get("content-length")
+    if raw is None:
+        return -1
+    if not raw.isdigit():
+        raise BadHttp(f"bad Content-Length {raw!r}")
+    return int(raw)
+
+
+def response_head(status: int, headers: Iterable[tuple[str, str]], length: int | None,
+                  keep_alive: bool = True) -> bytes:
+    """Status line and headers; `length` None means a chunked body follows."""
+    out = [f"HTTP/1.1 {status} {REASONS.get(status, 'Unknown')}"]
+    out.extend(f"{k}: {v}" for k, v in headers)
+    out.append("Transfer-Encoding: chunked" if length is None else f"Content-Length: {length}")
+    if not keep_alive:
+        out.append("Connection: close")
+    return ("\r\n".join(out) + "\r\n\r\n").encode("latin-1")
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%b\r\n" % (len(data), data)
+
+
+LAST_CHUNK = b"0\r\n\r\n"
+
+
+class ChunkedDecoder:
+    """Incremental decoder of a chunked body: feed bytes, get payload pieces; `done` after the last chunk."""
+
+    __slots__ = ("_buf", "_left", "done", "_state")
+
+    def __init__(self) -> None:
+        self._buf = b""
+        self._left = 0
+        self._state = 0  # 0: size line, 1: data, 2: CRLF after data, 3: trailers
+        self.done = False
+
+    def feed(self, data: bytes) -> list[bytes]:
+        out: list[bytes] = []
+        buf = self._buf + data if self._buf else data
+        pos = 0
+        n = len(buf)
+        while pos < n and not self.done:
+            if self._state == 0:
+                end = buf.find(b"\r\n", pos)
+                if end < 0:
+                    if n - pos > 1024:
+                        raise BadHttp("chunk size line too long")
+                    break
+                size_txt = buf[pos:end].split(b";", 1)[0].strip()
+                try:
+                    self._left = int(size_txt, 16)
+                except ValueError:
+                    raise BadHttp(f"bad chunk size {size_txt[:20]!r}") from None
+                pos = end + 2
+                self._state = 1 if self._left else 3
+            elif self._state == 1:
+                take = min(self._left, n - pos)
+                out.append(buf[pos:pos + take])
+                pos += take
+                self._left -= take
+                if self._left == 0:
+                    self._state = 2
+            elif self._state == 2:
+                if n - pos < 2:
+                    break
+                if buf[pos:pos + 2] != b"\r\n":
+                    raise BadHttp("chunk not followed by CRLF")
+                pos += 2
+                self._state = 0
+            else:  # trailers until an empty line
+                end = buf.find(b"\r\n", pos)
+                if end < 0:
+                    break
+                if end == pos:
+                    self.done = True
+                pos = end + 2
+        self._buf = buf[pos:]
+        return out

@@ -1,0 +1,335 @@
+"""Layer: service (no SGLang import). The request path: choose instances, forward, relay, retry.
+
+Plain mode forwards the client's body bytes unchanged to one instance over a pooled keep-alive
+connection. PD mode picks a prefill and a decode instance per request and sends both the body
+with SGLang's bootstrap fields (host and bootstrap port of the prefill, a fresh room); the
+decode side's answer is relayed. An attempt that fails before anything reached the client is
+retried on other instances; after that a failure ends the stream with an explicit error event.
+Per request the body is parsed once (validation and the affinity prompt), nothing is
+re-encoded in plain mode, and no task is created outside PD mode.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import random
+import time
+from typing import TYPE_CHECKING, Any, Awaitable
+from urllib.parse import urlsplit
+
+from kllm_plugins.plugins.bigpd_router.core.pairing import NoInstance
+from kllm_plugins.plugins.bigpd_router.core.registry import Instance, Role
+from kllm_plugins.plugins.bigpd_router.core.request_shape import BadRequest, RequestShape, loads, parse
+from kllm_plugins.plugins.bigpd_router.core.slo_load import backlog_tokens
+from kllm_plugins.plugins.bigpd_router.service.front_server import Exchange, dumps
+from kllm_plugins.plugins.bigpd_router.service.http_wire import BadHttp
+from kllm_plugins.plugins.bigpd_router.service.upstream import PATHS, BeforeFirstToken, Ticket
+from kllm_plugins.plugins.bigpd_router.service.upstream_pool import UpstreamPool, UpstreamResponse
+
+if TYPE_CHECKING:
+    from kllm_plugins.plugins.bigpd_router.service.router import Router
+
+log = logging.getLogger("kllm.bigpd_router.router")
+ENDPOINTS = {"/generate": "generate", "/v1/completions": "completions", "/v1/chat/completions": "chat"}
+UPSTREAM_ERRORS = (ConnectionError, OSError, BadHttp)
+
+
+def error_body(status: int, message: str, rid: str, kind: str = "invalid_request_error") -> bytes:
+    return dumps({"error": {"message": message, "type": kind, "code": status}, "request_id": rid})
+
+
+def sse_error(message: str, status: int) -> bytes:
+    return b"data: " + dumps({"error": {"message": message, "type": "upstream_error", "code": status}}) \
+        + b"\n\ndata: [DONE]\n\n"
+
+
+class Address:
+    __slots__ = ("host", "port", "tls", "host_header")
+
+    def __init__(self, url: str) -> None:
+        parts = urlsplit(url)
+        self.tls = parts.scheme == "https"
+        self.host = parts.hostname or "127.0.0.1"
+        self.port = parts.port or (443 if self.tls else 80)
+        self.host_header = parts.netloc.encode("latin-1")
+
+
+class Proxy:
+    def __init__(self, router: Router) -> None:
+        self.r = router
+        self.pool = UpstreamPool()
+        self._addr: dict[str, Address] = {}
+        self._rid_prefix = os.urandom(6).hex() + "-"
+        self._rid_seq = itertools.count(1)
+        self._counted: dict[tuple[str, int], Any] = {}
+
+    # ------------------------------------------------------------------ helpers
+    def address(self, url: str) -> Address:
+        a = self._addr.get(url)
+        if a is None:
+            a = self._addr[url] = Address(url)
+        return a
+
+    def forget(self, url: str) -> None:
+        self._addr.pop(url, None)
+
+    def _error(self, ex: Exchange, status: int, message: str, rid: str, kind: str = "invalid_request_error") -> None:
+        ex.reply(status, error_body(status, message, rid, kind), headers=(("X-Request-Id", rid),))
+
+    def _count(self, endpoint: str, status: int) -> None:
+        child = self._counted.get((endpoint, status))
+        if child is None:
+            child = self._counted[(endpoint, status)] = self.r.metrics.requests.labels(endpoint, str(status))
+        child.inc()
+
+    async def _send(self, inst: Instance, path: str, rid: str, body: bytes, auth: str | None) -> UpstreamResponse:
+        a = self.address(inst.url)
+        extra = b"Authorization: %b\r\n" % auth.encode("latin-1") if auth else b""
+        head = (b"POST %b HTTP/1.1\r\nHost: %b\r\nContent-Type: application/json\r\nX-Request-Id: %b\r\n%b"
+                b"Content-Length: %d\r\n\r\n" % (path.encode(), a.host_header, rid.encode("latin-1"), extra,
+                                                  len(body)))
+        return await self.pool.request(a.host, a.port, head, body, tls=a.tls)
+
+    # ------------------------------------------------------------------ entry
+    async def handle(self, ex: Exchange, endpoint: str) -> None:
+        rid = ex.header("x-request-id") or self._rid_prefix + format(next(self._rid_seq), "x")
+        t0 = time.monotonic()
+        if self.r.shutting_down:
+            self._error(ex, 503, "router is shutting down", rid, "unavailable")
+        elif ex.refused is not None:
+            self._error(ex, ex.refused[0], ex.refused[1], rid)
+        else:
+            try:
+                shape = parse(endpoint, ex.body)
+            except BadRequest as exc:
+                self._error(ex, 400, str(exc), rid)
+            else:
+                await self._route(ex, shape, rid)
+                self.r.metrics.e2e.observe(time.monotonic() - t0)
+        self._count(endpoint, ex.status)
+
+    async def _route(self, ex: Exchange, shape: RequestShape, rid: str) -> None:
+        r = self.r
+        excluded: set[str] = set()
+        last: BeforeFirstToken | None = None
+        ptoks = len(shape.prompt) if not isinstance(shape.prompt, str) else r.tokens.estimate(shape.prompt_chars)
+        r.typical_prompt.update(ptoks)
+        for attempt in range(r.cfg.max_retries + 1):
+            try:
+                if r.pd_mode():
+                    p = r.choose_prefill(Role.PREFILL, shape, ptoks, frozenset(excluded))
+                    d = r.picker.pick_decode(r.registry.pool(Role.DECODE), p, frozenset(excluded))
+                    return await self._attempt(ex, shape, rid, ptoks, d, p, attempt)
+                inst = r.choose_prefill(Role.PLAIN, shape, ptoks, frozenset(excluded))
+                return await self._attempt(ex, shape, rid, ptoks, inst, None, attempt)
+            except NoInstance as exc:
+                if last is None:
+                    return self._error(ex, 503, f"no instance available: {exc}", rid, "unavailable")
+                break
+            except BeforeFirstToken as exc:
+                last = exc
+                excluded |= exc.urls
+                for url in exc.urls:
+                    r.registry.mark_check(url, False)
+                if attempt < r.cfg.max_retries:
+                    r.metrics.retries.labels("timeout" if exc.status == 504 else "error").inc()
+                    log.warning("retrying rid=%s failed=%s reason=%s", rid, sorted(exc.urls), exc.reason)
+        assert last is not None
+        self._error(ex, last.status, f"all attempts failed before the first token: {last.reason}", rid,
+                    "upstream_error")
+
+    # ------------------------------------------------------------------ one attempt
+    async def _within(self, aw: Awaitable[Any], prefill_task: asyncio.Task[None] | None, timeout: float) -> Any:
+        """Await `aw` within `timeout`; in PD mode fail early (blaming the prefill) if the prefill side fails."""
+        if prefill_task is None:
+            async with asyncio.timeout(timeout):
+                return await aw
+        main = asyncio.ensure_future(aw)
+        done, _ = await asyncio.wait({main, prefill_task}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if main in done:
+            return main.result()
+        if prefill_task in done and prefill_task.exception() is not None:
+            main.cancel()
+            raise prefill_task.exception()  # type: ignore[misc]
+        if prefill_task in done:  # prefill finished fine; keep waiting for the decode side
+            async with asyncio.timeout(timeout):
+                return await main
+        main.cancel()
+        raise TimeoutError
+
+    async def _attempt(self, ex: Exchange, shape: RequestShape, rid: str, ptoks: int, inst: Instance,
+                       prefill: Instance | None, attempt: int) -> None:
+        r, cfg = self.r, self.r.cfg
+        path = PATHS[shape.endpoint]
+        auth = ex.header("authorization")
+        prefill_task: asyncio.Task[None] | None = None
+        pticket: Ticket | None = None
+        body = ex.body
+        if prefill is not None:
+            fields = dict(shape.body, bootstrap_host=self.address(prefill.url).host,
+                          bootstrap_port=prefill.bootstrap_port, bootstrap_room=random.getrandbits(63))
+            body = dumps(fields)
+            fields["stream"] = False
+            fields.pop("stream_options", None)
+            pticket = Ticket(prefill, ptoks, backlog_tokens(prefill))
+            prefill_task = asyncio.create_task(self._prefill_side(prefill, path, rid, dumps(fields), auth, pticket))
+            r.background.add(prefill_task)
+            prefill_task.add_done_callback(r.background.discard)
+            ticket = Ticket(inst, 0, 0)
+        else:
+            ticket = Ticket(inst, ptoks, backlog_tokens(inst))
+        r.routed(shape.prompt, prefill or inst)
+        resp: UpstreamResponse | None = None
+        try:
+            try:
+                head_timeout = cfg.first_token_timeout_s if shape.stream else cfg.request_timeout_s
+                resp = await self._within(self._send(inst, path, rid, body, auth), prefill_task, head_timeout)
+                if resp.status >= 500:
+                    text = (await self._within(resp.read_all(), None, 5.0))[:300].decode(errors="replace")
+                    raise BeforeFirstToken({inst.url}, f"{inst.url} answered {resp.status}: {text}")
+                if not shape.stream or resp.status != 200:
+                    data = await self._within(resp.read_all(), prefill_task, cfg.request_timeout_s)
+                    return self._complete(ex, resp, data, shape, ticket, rid, attempt, prefill)
+                first = await self._within(resp.read_some(), prefill_task, cfg.first_token_timeout_s)
+                if not first:
+                    raise BeforeFirstToken({inst.url}, f"{inst.url} closed the stream before the first token")
+            except TimeoutError:
+                blame = {inst.url} | ({prefill.url} if prefill is not None else set())
+                raise BeforeFirstToken(blame, "no first token in time", 504) from None
+            except UPSTREAM_ERRORS as exc:
+                raise BeforeFirstToken({inst.url}, f"{inst.url}: {exc!r}") from None
+            await self._stream(ex, resp, first, shape, ticket, pticket, rid, attempt, prefill)
+        except BeforeFirstToken:
+            if prefill_task is not None:
+                prefill_task.cancel()
+            raise
+        finally:
+            if resp is not None and not resp.complete:
+                resp.close()  # closing the connection aborts the request inside SGLang
+            ticket.finish()
+            if pticket is not None and prefill_task is not None and prefill_task.done():
+                pticket.finish()
+
+    async def _prefill_side(self, prefill: Instance, path: str, rid: str, body: bytes, auth: str | None,
+                            ticket: Ticket) -> None:
+        resp: UpstreamResponse | None = None
+        try:
+            async with asyncio.timeout(self.r.cfg.request_timeout_s):
+                resp = await self._send(prefill, path, rid, body, auth)
+                data = await resp.read_all()
+            if resp.status >= 500:
+                raise BeforeFirstToken({prefill.url}, f"prefill {prefill.url} answered {resp.status}: "
+                                       f"{data[:200].decode(errors='replace')}")
+            ticket.prefill_done()
+        except (*UPSTREAM_ERRORS, TimeoutError) as exc:
+            ticket.finish()
+            raise BeforeFirstToken({prefill.url}, f"prefill {prefill.url}: {exc!r}") from None
+        except BaseException:
+            ticket.finish()
+            raise
+        finally:
+            if resp is not None and not resp.complete:
+                resp.close()
+
+    def _complete(self, ex: Exchange, resp: UpstreamResponse, data: bytes, shape: RequestShape, ticket: Ticket,
+                  rid: str, attempt: int, prefill: Instance | None) -> None:
+        r = self.r
+        if resp.status == 200:
+            completion = None
+            try:
+                _, completion = r.observe_usage(shape, loads(data))
+            except ValueError:
+                pass
+            # the TTFT of a non-streamed answer is not visible: infer it from the decode rate
+            now = time.monotonic()
+            n = completion or 1
+            ttft = ticket.first_token(at=now - (n - 1) * ticket.inst.tpot.value)
+            ticket.t_last, ticket.events = now, 0
+            ticket.finish(tokens=n)
+            r.ttft_actual[Role.PREFILL if prefill else Role.PLAIN].add(ttft)
+            r.metrics.ttft.observe(ttft)
+        ex.reply(resp.status, data, resp.content_type, (("X-Request-Id", rid), ("X-Kllm-Instance", ticket.inst.url)))
+        self._log(rid, shape, resp.status, ticket, prefill, attempt)
+
+    async def _stream(self, ex: Exchange, resp: UpstreamResponse, first: bytes, shape: RequestShape, ticket: Ticket,
+                      pticket: Ticket | None, rid: str, attempt: int, prefill: Instance | None) -> None:
+        r = self.r
+        ttft = ticket.first_token()
+        if pticket is not None:
+            pticket.first_token()
+        r.ttft_actual[Role.PREFILL if prefill else Role.PLAIN].add(ttft)
+        r.metrics.ttft.observe(ttft)
+        ex.start_stream(200, (("Content-Type", resp.headers.get("content-type", "text/event-stream")),
+                              ("Cache-Control", "no-cache"), ("X-Request-Id", rid),
+                              ("X-Kllm-Instance", ticket.inst.url)))
+        status, prev, older, piece, ending = 200, b"", b"", first, b""
+        try:
+            async with asyncio.timeout_at(ticket.t0 + r.cfg.request_timeout_s):
+                while piece:
+                    n = piece.count(b"data:")
+                    if b"[DONE]" in piece:
+                        n -= 1
+                    ticket.events += n
+                    ticket.t_last = time.monotonic()
+                    await ex.send(piece)  # ConnectionError here: the client left
+                    older, prev = prev, piece
+                    try:
+                        piece = await resp.read_some()
+                    except UPSTREAM_ERRORS as exc:
+                        status = 502
+                        log.warning("stream broke rid=%s instance=%s error=%r", rid, ticket.inst.url, exc)
+                        r.registry.mark_check(ticket.inst.url, False)
+                        ending = sse_error(f"instance failed mid-stream: {exc!r}", status)
+                        break
+                else:
+                    if not prev.rstrip().endswith(b"[DONE]") and shape.endpoint != "generate":
+                        status = 502
+                        ending = sse_error("instance closed the stream early", status)
+        except TimeoutError:
+            status = 504
+            log.warning("stream timed out rid=%s instance=%s", rid, ticket.inst.url)
+            ending = sse_error("request timed out mid-stream", status)
+        except ConnectionError:
+            status = 499  # the client went away; closing upstream aborts the request in SGLang
+            log.info("client disconnected rid=%s", rid)
+            resp.close()
+        if status != 499:
+            try:
+                await ex.end_stream(ending)
+            except ConnectionError:
+                status = 499
+        r.observe_usage(shape, _last_event(older + prev))
+        tp = ticket.tpot()
+        if tp is not None:
+            r.tpot_actual[Role.DECODE if prefill else Role.PLAIN].add(tp)
+            r.metrics.tpot.observe(tp)
+        self._log(rid, shape, status, ticket, prefill, attempt)
+
+    def _log(self, rid: str, shape: RequestShape, status: int, ticket: Ticket, prefill: Instance | None,
+             attempt: int) -> None:
+        if not log.isEnabledFor(logging.INFO):
+            return
+        ttft = (ticket.t_first - ticket.t0) if ticket.t_first is not None else None
+        fields = {"rid": rid, "endpoint": shape.endpoint, "status": status, "instance": ticket.inst.url,
+                  "prefill": prefill.url if prefill else None, "stream": shape.stream, "retries": attempt,
+                  "ttft_ms": round(ttft * 1000, 2) if ttft is not None else None,
+                  "total_ms": round((time.monotonic() - ticket.t0) * 1000, 2)}
+        log.info("request rid=%s endpoint=%s status=%d instance=%s retries=%d", rid, shape.endpoint, status,
+                 ticket.inst.url, attempt, extra={"kllm": fields})
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+def _last_event(tail: bytes) -> Any:
+    """The last JSON `data:` event of an SSE piece (it carries usage / meta_info)."""
+    for line in reversed(tail.split(b"\n")):
+        line = line.strip()
+        if line.startswith(b"data:") and not line.endswith(b"[DONE]"):
+            try:
+                return loads(line[5:])
+            except ValueError:
+                return None
+    return None
