@@ -196,4 +196,28 @@ def test_pd_mode_over_mooncake_tcp_matches_reference(pd_pair: list[SGLangServer]
             events = [ln for ln in body.split(b"\n") if ln.startswith(b"data:")]
             assert st == 200 and events[-1] == b"data: [DONE]" and len(events) >= 6, body[-300:]
 
+            # kill the prefill instance in the middle of a burst of streams: a stream whose KV had
+            # crossed over finishes on the decode side, any other gets a clear error; none hangs
+            async def stream(i: int) -> tuple[int, bytes]:
+                async with s.post(rurl + "/generate", json={
+                        "input_ids": [(i * 7919 + k * 31) % 4000 + 10 for k in range(300)], "stream": True,
+                        "sampling_params": {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}},
+                        timeout=aiohttp.ClientTimeout(total=150)) as r:
+                    return r.status, await r.read()
+
+            tasks = [asyncio.create_task(stream(i)) for i in range(6)]
+            await asyncio.sleep(0.5)
+            assert prefill.proc is not None
+            os.killpg(prefill.proc.pid, signal.SIGKILL)
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 180)
+            for status, body in results:
+                if status == 200:
+                    assert body.rstrip().endswith(b"data: [DONE]"), body[-300:]
+                else:
+                    assert status in (502, 503, 504) and json.loads(body)["error"]["message"], body[:300]
+            # with the only prefill gone, a new request is refused at once, not left waiting
+            st, body, _ = await post(s, rurl + "/generate", {"input_ids": prompt,
+                                                              "sampling_params": {"max_new_tokens": 2}})
+            assert st in (502, 503) and json.loads(body)["error"]["message"]
+
     asyncio.run(go())

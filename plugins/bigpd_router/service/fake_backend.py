@@ -35,6 +35,8 @@ class FakeBackend:
     running: int = 0
     requests: list[dict[str, Any]] = field(default_factory=list)
     record: bool = True
+    kv_events: dict[str, Any] | None = None
+    """What /server_info reports under `kv_events` (a publisher descriptor), if anything."""
     _cache: set[str] = field(default_factory=set)
 
     def cached_chars(self, prompt: str) -> int:
@@ -62,9 +64,12 @@ class FakeBackend:
         return web.Response(status=200 if self.healthy else 503)
 
     async def server_info(self, request: web.Request) -> web.Response:
-        return web.json_response({"disaggregation_mode": self.role, "max_total_num_tokens": self.capacity_tokens,
-                                  "disaggregation_bootstrap_port": self.bootstrap_port,
-                                  "disaggregation_transfer_backend": "fake", "version": "fake"})
+        info = {"disaggregation_mode": self.role, "max_total_num_tokens": self.capacity_tokens,
+                "disaggregation_bootstrap_port": self.bootstrap_port,
+                "disaggregation_transfer_backend": "fake", "version": "fake"}
+        if self.kv_events is not None:
+            info["kv_events"] = self.kv_events
+        return web.json_response(info)
 
     async def loads(self, request: web.Request) -> web.Response:
         return web.json_response({"loads": [{"dp_rank": 0, "num_running_reqs": self.running, "num_waiting_reqs": 0,
