@@ -30,7 +30,7 @@ from kllm_plugins import metrics, runtime
 from kllm_plugins.plugins.kv_tiers.config import KvTiersConfig
 from kllm_plugins.plugins.kv_tiers.core.cost_model import CostPrior
 from kllm_plugins.plugins.kv_tiers.core.fetch_policy import FetchOrRecompute
-from kllm_plugins.plugins.kv_tiers.core.file_store import FilePageStore
+from kllm_plugins.plugins.kv_tiers.core.file_store import FilePageStore, StoreStats
 from kllm_plugins.plugins.kv_tiers.core.persistence import BusyMeter, PersistencePolicy
 from kllm_plugins.plugins.kv_tiers.core.prefetch_gate import PrefetchGate
 from kllm_plugins.plugins.kv_tiers.core.tier_events import TierEventLog
@@ -74,6 +74,8 @@ class _Tiers:
         self.write_busy = BusyMeter()
         self.events: TierEventLog | None = None
         self.store: FilePageStore | None = None
+        self.backend_stats: StoreStats | None = None  # a store other than the file store (Mooncake)
+        self.backend_name = "file"
         self.counts: dict[str, int] = {"prefetch_admitted": 0, "prefetch_refused": 0,
                                        "pages_skipped": 0, "pages_admitted": 0}
         self._lock = threading.Lock()
@@ -117,6 +119,13 @@ class _Tiers:
                 )
             return self.fetch
 
+    def fault(self, reason: str, n: int = 1) -> None:
+        """Count `n` L3 pages (or calls) refused or failed for `reason` (metric and snapshot)."""
+        with self._lock:
+            if self.backend_stats is not None:
+                self.backend_stats.faults[reason] = self.backend_stats.faults.get(reason, 0) + n
+        self._m_faults.labels(reason).inc(n)
+
     def count(self, what: str, n: int = 1) -> None:
         with self._lock:
             self.counts[what] = self.counts.get(what, 0) + n
@@ -127,6 +136,10 @@ class _Tiers:
         if self.store is not None:
             out["store"] = self.store.stats.snapshot()
             out["store_used_bytes"] = self.store.used_bytes
+        elif self.backend_stats is not None:
+            with self._lock:
+                out["store"] = self.backend_stats.snapshot()
+        out["backend"] = self.backend_name
         if self.fetch is not None:
             out["fetch_policy"] = self.fetch.snapshot()
         return out

@@ -66,7 +66,22 @@ class PageHeader:
 
 
 def encode_header(namespace_digest: bytes, key: str, payload: bytes | memoryview) -> bytes:
-    head = _STRUCT.pack(MAGIC, VERSION, 0, namespace_digest, digest16(key), len(payload), zlib.crc32(payload))
+    return encode_record(namespace_digest, key, *crc_of([payload]))
+
+
+def crc_of(parts: list[bytes | memoryview]) -> tuple[int, int]:
+    """(total length, CRC-32) of the concatenation of `parts` (a page held in several buffers)."""
+    crc, n = 0, 0
+    for part in parts:
+        crc = zlib.crc32(part, crc)
+        n += len(part)
+    return n, crc
+
+
+def encode_record(namespace_digest: bytes, key: str, length: int, crc: int) -> bytes:
+    """A header for a payload of `length` bytes with CRC-32 `crc`, stored apart from the payload
+    (the Mooncake store keeps it as a small object next to the page's K and V objects)."""
+    head = _STRUCT.pack(MAGIC, VERSION, 0, namespace_digest, digest16(key), length, crc)
     return head + _TAIL.pack(zlib.crc32(head))
 
 
@@ -96,4 +111,17 @@ def check_page(header: PageHeader, namespace_digest: bytes, key: str, payload: b
     if len(payload) < header.payload_len:
         raise PageError(PageFault.TRUNCATED, f"payload has {len(payload)} of {header.payload_len} bytes")
     if zlib.crc32(payload[: header.payload_len]) != header.payload_crc:
+        raise PageError(PageFault.CORRUPT, "payload checksum")
+
+
+def check_record(header: PageHeader, namespace_digest: bytes, key: str, length: int, crc: int) -> None:
+    """Raise PageError unless a payload of `length` bytes with CRC-32 `crc` is the page that the
+    separately stored `header` describes (see `encode_record`)."""
+    if header.namespace_digest != namespace_digest:
+        raise PageError(PageFault.FOREIGN, "namespace differs")
+    if header.key_digest != digest16(key):
+        raise PageError(PageFault.MISPLACED, "key digest differs")
+    if header.payload_len != length:
+        raise PageError(PageFault.SIZE_MISMATCH, f"page has {header.payload_len} bytes, reader has {length}")
+    if header.payload_crc != crc:
         raise PageError(PageFault.CORRUPT, "payload checksum")

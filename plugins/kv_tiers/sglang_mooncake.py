@@ -1,0 +1,334 @@
+"""Layer: SGLang adapter of the kv_tiers plugin (second module of it): the Mooncake L3 backend.
+
+`KllmMooncakeStorage` is SGLang's own `MooncakeStore` (zero-copy `batch_*_v1` path, the
+distributed store shared by instances) with the plugin's policies around it, selected with
+
+    --hicache-storage-backend dynamic --hicache-storage-backend-extra-config
+      '{"backend_name":"kllm_mooncake","module_path":"kllm_plugins.plugins.kv_tiers.sglang_mooncake",
+        "class_name":"KllmMooncakeStorage","interface_v1":1, <Mooncake keys: master_server_address, ...>}'
+
+What it adds to the stock backend:
+- selective persistence: only the leading run of pages the `PersistencePolicy` admits is written
+  (a store that recently answered "full" counts as capacity pressure);
+- fetch or recompute: L3 reads are timed and feed the shared cost model, whose break-even length
+  the prefetch hook turns into HiCache's prefetch threshold (as for the file store);
+- checked pages: each page gets a small record (`page_format.encode_record`: namespace, key,
+  length, CRC-32) written after its K and V objects; a page whose record is missing, foreign
+  (another model, layout, dtype or page shape) or does not match what was read is refused;
+- faults never reach serving: a master unreachable at start or lost mid-run, a full store, a
+  failed transfer are misses or refused writes, counted by reason
+  (`kllm_kv_tiers_l3_faults_total{reason}`) and logged; the store is re-attached in the
+  background once its master answers again;
+- L3 events: `BlockStored` with medium `EXTERNAL` for every page written.
+Mooncake evicts on its own without telling clients, so no `BlockRemoved` events come from it.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import socket
+import struct
+import threading
+import time
+import zlib
+from typing import Any, List, Optional
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
+from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeStore
+
+from kllm_plugins.plugins.kv_tiers.core.file_store import StoreStats
+from kllm_plugins.plugins.kv_tiers.core.page_format import (
+    PageError,
+    PageFault,
+    check_record,
+    decode_header,
+    digest16,
+    encode_record,
+)
+from kllm_plugins.plugins.kv_tiers.core.tier_events import TierEventLog
+from kllm_plugins.plugins.kv_tiers.sglang_adapter import tiers
+
+logger = logging.getLogger("kllm.kv_tiers")
+
+_FULL_CODES = {-200}  # Mooncake NO_AVAILABLE_HANDLE: no segment has room for the object
+_STORE_ERROR = -800  # Mooncake codes at or below: transfer (8xx) and RPC (9xx) failures, not misses
+_FULL_MEMORY_S = 10.0  # a "full" answer counts as capacity pressure this long
+_ERRORS_TO_DOWN = 3  # consecutive failed calls after which the store is treated as lost
+
+
+def master_reachable(address: str | None, timeout_s: float = 1.0) -> bool:
+    """Whether a TCP connection to the Mooncake master `host:port` opens (the Mooncake client
+    itself retries for about 90 s before giving up, which would stall start-up)."""
+    if not address or ":" not in address:
+        return False
+    host, port = address.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+class KllmMooncakeStorage(MooncakeStore):
+    """SGLang's Mooncake HiCache backend with selective persistence, checked pages, measured reads
+    and fault tolerance (see the module docstring)."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
+        extra = dict(storage_config.extra_config or {})
+        self.t = tiers(extra)
+        self.t.backend_name = "mooncake"
+        if self.t.backend_stats is None:
+            self.t.backend_stats = StoreStats()
+        self.stats = self.t.backend_stats
+        self.kllm_storage_config = storage_config
+        self.verify = bool(extra.get("verify_pages", True))
+        self.reconnect_s = float(extra.get("reconnect_s", 5.0))
+        self.master_address = extra.get("master_server_address")
+        self.ready = False
+        self.pool: Any = None
+        self.namespace_digest = b""
+        self.page_nbytes = 0
+        self._errors = 0
+        self._full_at = 0.0
+        self._reattach: threading.Thread | None = None
+        self._state_lock = threading.Lock()
+        if self.master_address is not None and not master_reachable(self.master_address):
+            self._down("down_at_start", f"master {self.master_address} unreachable")
+            return
+        try:
+            MooncakeStore.__init__(self, storage_config, None)
+        except Exception as exc:  # noqa: BLE001 - any setup failure leaves serving without L3
+            self._down("down_at_start", f"setup failed: {exc}")
+            return
+        self.ready = True
+
+    # -- state -----------------------------------------------------------------------------
+
+    def _down(self, reason: str, detail: str) -> None:
+        with self._state_lock:
+            self.ready = False
+            self.t.fault(reason)
+            logger.warning("kv_tiers mooncake store %s (%s): L3 off, prefixes are recomputed; "
+                           "re-attaching every %.1f s", reason.replace("_", " "), detail, self.reconnect_s)
+            if self._reattach is None or not self._reattach.is_alive():
+                self._reattach = threading.Thread(target=self._reattach_loop, name="kllm-kv-tiers-mooncake",
+                                                  daemon=True)
+                self._reattach.start()
+
+    def _reattach_loop(self) -> None:
+        while not self.ready:
+            time.sleep(self.reconnect_s)
+            if not master_reachable(self.master_address):
+                continue
+            try:
+                MooncakeStore.__init__(self, self.kllm_storage_config, None)
+                if self.pool is not None:
+                    MooncakeStore.register_mem_pool_host(self, self.pool)
+            except Exception as exc:  # noqa: BLE001
+                logger.warning("kv_tiers mooncake store: re-attach failed (%s)", exc)
+                continue
+            self._errors = 0
+            self.ready = True
+            logger.info("kv_tiers mooncake store re-attached to %s", self.master_address)
+
+    def _call_failed(self, op: str, exc: BaseException | None, n: int) -> None:
+        self.t.fault("store_error", n)
+        self._errors += 1
+        logger.warning("kv_tiers mooncake store: %s of %d pages failed (%s); recomputing", op, n, exc or "error")
+        if self._errors >= _ERRORS_TO_DOWN and self.ready and not master_reachable(self.master_address):
+            self._down("store_lost", f"master {self.master_address} unreachable")
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        self.pool = mem_pool_host
+        page = int(getattr(mem_pool_host, "page_size", 1))
+        sc = self.kllm_storage_config
+        # get_ksize_per_token is the K half for MHA pools (K and V are separate objects)
+        self.page_nbytes = int(mem_pool_host.get_ksize_per_token()) * page * (1 if sc.is_mla_model else 2)
+        namespace = "|".join(str(x) for x in (
+            "kllm-kv-mc-v1", sc.model_name, f"tp{sc.tp_rank}/{sc.tp_size}", f"pp{sc.pp_rank}/{sc.pp_size}",
+            f"mla{int(sc.is_mla_model)}", getattr(mem_pool_host, "layout", "?"),
+            str(getattr(mem_pool_host, "dtype", "?")), f"page{page}", f"bytes{self.page_nbytes}",
+        ))
+        self.namespace_digest = digest16(namespace)
+        self.t.events = self.t.events or TierEventLog(self.t.instance_id, page)
+        self.t.ensure_fetch_policy(max(1, self.page_nbytes // max(1, page)))
+        if self.ready:
+            MooncakeStore.register_mem_pool_host(self, mem_pool_host)
+        else:
+            HiCacheStorage.register_mem_pool_host(self, mem_pool_host)
+        logger.info("kv_tiers L3 Mooncake store (master %s, %s, verify %s)", self.master_address,
+                    "attached" if self.ready else "down", self.verify)
+
+    # -- page records ------------------------------------------------------------------------
+
+    def _record_keys(self, keys: List[str]) -> List[str]:
+        return [f"{k}_{self.mha_suffix}_kllm" for k in self._tag_keys(keys)]
+
+    def _page_crcs(self, host_indices: torch.Tensor, n: int) -> list[tuple[int, int]]:
+        """(length, CRC-32) of each page's bytes in the host pool, read through its zero-copy
+        pointers (the same bytes Mooncake writes or has just read)."""
+        ptrs, sizes = self.pool.get_page_buffer_meta(host_indices[: n * self.pool.page_size])
+        per = len(ptrs) // max(1, n)
+        out = []
+        for i in range(n):
+            crc, total = 0, 0
+            for ptr, size in zip(ptrs[i * per:(i + 1) * per], sizes[i * per:(i + 1) * per]):
+                crc = zlib.crc32((ctypes.c_char * int(size)).from_address(int(ptr)), crc)
+                total += int(size)
+            out.append((total, crc))
+        return out
+
+    def _check_pages(self, keys: List[str], host_indices: torch.Tensor, ok: list[bool]) -> list[bool]:
+        """Refuse (and cut the prefix at) the first page that does not match its record."""
+        n = 0
+        while n < len(ok) and ok[n]:
+            n += 1
+        if n == 0 or not self.verify:
+            return ok
+        records = self.store.get_batch(self._record_keys(keys[:n]))
+        crcs = self._page_crcs(host_indices, n)
+        for i in range(n):
+            try:
+                if not records[i]:
+                    raise PageError(PageFault.MISSING, "no page record")
+                check_record(decode_header(records[i]), self.namespace_digest, keys[i], *crcs[i])
+            except (PageError, struct.error) as exc:
+                fault = exc.fault.value if isinstance(exc, PageError) else PageFault.CORRUPT.value
+                self.t.fault(fault)
+                self.stats.misses += 1
+                logger.warning("kv_tiers mooncake store: page %s refused (%s); recomputing it", keys[i], exc)
+                return [True] * i + [False] * (len(ok) - i)
+        return ok
+
+    # -- reads -------------------------------------------------------------------------------
+
+    def batch_exists(self, keys: List[str], extra_info: Any = None) -> int:
+        if not self.ready:
+            return 0
+        try:
+            n = MooncakeStore.batch_exists(self, keys, extra_info)
+            if self.verify and n:
+                have = self.store.batch_is_exist(self._record_keys(keys[:n]))
+                n = next((i for i, h in enumerate(have) if h != 1), n)
+        except Exception as exc:  # noqa: BLE001
+            self._call_failed("lookup", exc, len(keys))
+            return 0
+        if n < len(keys):
+            self.t.persistence.note_lookup_miss(keys[n:])
+        return n
+
+    def _batch_exist(self, key_strs: List[str]) -> List[int]:
+        codes = MooncakeStore._batch_exist(self, key_strs)
+        bad = [c for c in codes if c <= _STORE_ERROR]
+        if bad:
+            self._call_failed("lookup", RuntimeError(f"codes {sorted(set(bad))}"), len(key_strs))
+            return [0] * len(key_strs)
+        self._errors = 0
+        return codes
+
+    def _get_batch_zero_copy_impl(self, key_strs: List[str], buffer_ptrs: List[Any],
+                                  buffer_sizes: List[Any]) -> List[int]:
+        codes = MooncakeStore._get_batch_zero_copy_impl(self, key_strs, buffer_ptrs, buffer_sizes)
+        bad = [c for c in codes if c <= _STORE_ERROR]
+        if bad:
+            self._call_failed("read", RuntimeError(f"codes {sorted(set(bad))}"), len(key_strs))
+        return codes
+
+    def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info: Any = None) -> List[bool]:
+        if not self.ready:
+            return [False] * len(keys)
+        t0 = time.perf_counter()
+        try:
+            ok = list(MooncakeStore.batch_get_v1(self, keys, host_indices, extra_info))
+            dt = time.perf_counter() - t0
+            if not all(ok) and self.ready and self._errors == 0:
+                # evicted since the lookup, or an object of another size (layout) under this key
+                self.t.fault("read_failed")
+                logger.warning("kv_tiers mooncake store: read of page %s failed; recomputing from there",
+                               keys[ok.index(False)])
+            ok = self._check_pages(keys, host_indices, ok)
+        except Exception as exc:  # noqa: BLE001
+            self._call_failed("read", exc, len(keys))
+            return [False] * len(keys)
+        hits = next((i for i, v in enumerate(ok) if not v), len(ok))
+        with self.t._lock:
+            self.stats.gets += len(keys)
+            self.stats.hits += hits
+            self.stats.hit_bytes += hits * self.page_nbytes
+            self.stats.misses += len(keys) - hits
+        if hits:
+            self._errors = 0
+            self.t._m_pages.labels("hit").inc(hits)
+            if self.t.fetch is not None:
+                self.t.fetch.observe_transfer("l3", hits * self.page_nbytes, dt)
+        if hits < len(keys):
+            self.t._m_pages.labels("miss").inc(len(keys) - hits)
+        return ok
+
+    # -- writes ------------------------------------------------------------------------------
+
+    def _put_batch_zero_copy_impl(self, key_strs: List[str], buffer_ptrs: List[Any], buffer_sizes: List[Any],
+                                  group_ids: Optional[List[str]] = None,
+                                  session_ids: Optional[List[str]] = None) -> List[int]:
+        codes = MooncakeStore._put_batch_zero_copy_impl(self, key_strs, buffer_ptrs, buffer_sizes, group_ids,
+                                                        session_ids)
+        bad = [c for c in codes if c != 0]
+        if bad:
+            full = sum(1 for c in bad if c in _FULL_CODES)
+            if full:
+                self._full_at = time.monotonic()
+                self.t.fault("full", full)
+                logger.warning("kv_tiers mooncake store full: %d objects not written (pages stay out of L3)", full)
+            if len(bad) > full:
+                self._call_failed("write", RuntimeError(f"codes {sorted(set(bad))}"), len(bad) - full)
+        return codes
+
+    def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info: Any = None) -> List[bool]:
+        if not self.ready:
+            self.t.fault("store_down", len(keys))
+            return [False] * len(keys)
+        fill = 1.0 if time.monotonic() - self._full_at < _FULL_MEMORY_S else 0.0
+        adm = self.t.persistence.admit(list(keys), fill, self.t.write_busy.fraction())
+        a = adm.admitted
+        skipped = len(keys) - a
+        if skipped:
+            self.t.count("pages_skipped", skipped)
+            self.t._m_pages.labels("skipped").inc(skipped)
+        if a == 0:
+            return [True] * len(keys)  # not written by choice, not a failure
+        page = self.pool.page_size
+        t0 = time.perf_counter()
+        try:
+            ok = list(MooncakeStore.batch_set_v1(self, keys[:a], host_indices[: a * page], extra_info))
+            written = next((i for i, v in enumerate(ok) if not v), a)
+            if written and self.verify:
+                crcs = self._page_crcs(host_indices, written)
+                recs = [encode_record(self.namespace_digest, k, n, c) for k, (n, c) in zip(keys[:written], crcs)]
+                rkeys = self._record_keys(keys[:written])
+                have = self.store.batch_is_exist(rkeys)
+                todo = [(k, r) for k, r, h in zip(rkeys, recs, have) if h != 1]
+                if todo and self.store.put_batch([k for k, _ in todo], [r for _, r in todo]) != 0:
+                    written = 0  # pages without records are never served; report them unwritten
+                    ok = [False] * a
+        except Exception as exc:  # noqa: BLE001
+            self._call_failed("write", exc, a)
+            return [False] * len(keys)
+        self.t.write_busy.add(time.perf_counter() - t0)
+        if written:
+            self._errors = 0
+            self.t.count("pages_admitted", written)
+            self.t._m_pages.labels("written").inc(written)
+            with self.t._lock:
+                self.stats.puts += written
+                self.stats.put_bytes += written * self.page_nbytes
+            if self.t.events is not None:
+                self.t.events.record("stored", "EXTERNAL", list(keys[:written]))
+        return ok + [True] * skipped
+
+    def clear(self) -> None:
+        if self.ready:
+            MooncakeStore.clear(self)
+
+    def get_stats(self) -> Any:
+        return MooncakeStore.get_stats(self) if self.ready else None

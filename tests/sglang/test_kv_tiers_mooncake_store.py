@@ -1,0 +1,257 @@
+"""kv_tiers' Mooncake backend (`KllmMooncakeStorage`) against a real `mooncake_master` (no server).
+
+SGLang's own `MooncakeStore` does the I/O (zero-copy `batch_*_v1` into a host pool); the host
+pool is a stand-in with the page_first_direct pointer arithmetic of SGLang's MHA host pool.
+Checked here: selective persistence, measured reads feeding fetch-or-recompute, page records
+refusing corrupt and foreign pages, a full store, the master down at start, lost mid-run and
+back, EXTERNAL tier events, and cross-instance reads (a second client sees the first's pages).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import signal
+import subprocess
+import time
+from typing import Any, Iterator
+
+import pytest
+import torch
+
+from kllm_plugins.testing.sglang_server import free_port
+
+pytestmark = pytest.mark.sglang
+
+LAYERS, HEADS, DIM, PAGE = 2, 2, 8, 4
+
+
+class _HostPool:
+    """What MooncakeStore reads of an MHA host pool, page_first_direct layout."""
+
+    layout = "page_first_direct"
+    page_size = PAGE
+    dtype = torch.float32
+
+    def __init__(self, tokens: int = 256) -> None:
+        self.size = tokens
+        self.kv_buffer = torch.zeros(2, tokens, LAYERS, HEADS, DIM, dtype=self.dtype)
+
+    def get_ksize_per_token(self) -> int:
+        return LAYERS * HEADS * DIM * self.dtype.itemsize
+
+    def get_page_buffer_meta(self, indices: torch.Tensor) -> tuple[list[int], list[int]]:
+        base, tok = self.kv_buffer.data_ptr(), self.get_ksize_per_token()
+        v_off = self.size * tok
+        ptrs: list[int] = []
+        for i in indices.tolist()[:: self.page_size]:
+            ptrs += [base + i * tok, base + i * tok + v_off]
+        return ptrs, [tok * self.page_size] * len(ptrs)
+
+    def fill(self, page: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        sl = slice(page * PAGE, (page + 1) * PAGE)
+        self.kv_buffer[:, sl] = torch.randn(self.kv_buffer[:, sl].shape, generator=g)
+
+    def page(self, page: int) -> torch.Tensor:
+        return self.kv_buffer[:, page * PAGE:(page + 1) * PAGE].clone()
+
+
+def _start_master(log: Any, rpc: int, http: int, extra: tuple[str, ...] = ()) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        ["mooncake_master", f"-rpc_port={rpc}", "-enable_http_metadata_server=true",
+         f"-http_metadata_server_port={http}", *extra],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 20
+    from kllm_plugins.plugins.kv_tiers.sglang_mooncake import master_reachable
+
+    while not master_reachable(f"127.0.0.1:{rpc}"):
+        assert proc.poll() is None and time.monotonic() < deadline, "mooncake_master did not start"
+        time.sleep(0.2)
+    return proc
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=20)
+
+
+@pytest.fixture()
+def master(tmp_path) -> Iterator[dict[str, Any]]:
+    pytest.importorskip("mooncake.store")
+    if shutil.which("mooncake_master") is None:
+        pytest.skip("mooncake_master not installed (pip mooncake-transfer-engine-non-cuda)")
+    rpc, http = free_port(), free_port()
+    log = open(tmp_path / "master.log", "wb")
+    state = {"rpc": rpc, "http": http, "log": log, "proc": _start_master(log, rpc, http)}
+    try:
+        yield state
+    finally:
+        _stop(state["proc"])
+
+
+def _storage_config(extra: dict[str, Any], model: str = "tiny-llama") -> Any:
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
+    return HiCacheStorageConfig(
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
+        enable_storage_metrics=False, is_page_first_layout=True, model_name=model, extra_config=extra,
+    )
+
+
+@pytest.fixture()
+def make(master, monkeypatch):
+    from kllm_plugins.plugins.kv_tiers import sglang_adapter
+    from kllm_plugins.plugins.kv_tiers.sglang_mooncake import KllmMooncakeStorage
+
+    def build(model: str = "tiny-llama", fresh: bool = True, pool: _HostPool | None = None,
+              **extra: Any) -> tuple[Any, _HostPool]:
+        if fresh:
+            monkeypatch.setattr(sglang_adapter, "_tiers", None)
+        cfg = {"backend_name": "kllm_mooncake", "interface_v1": 1,
+               "master_server_address": f"127.0.0.1:{master['rpc']}",
+               "metadata_server": f"http://127.0.0.1:{master['http']}/metadata", "protocol": "tcp",
+               "device_name": "", "global_segment_size": 16 << 20, "local_hostname": "127.0.0.1",
+               "check_server": False, "reconnect_s": 0.5, **extra}
+        b = KllmMooncakeStorage(_storage_config(cfg, model), {})
+        pool = pool or _HostPool()
+        b.register_mem_pool_host(pool)
+        return b, pool
+
+    return build
+
+
+def _keys(n: int, tag: str) -> list[str]:
+    return [hashlib.sha256(f"{tag}{i}".encode()).hexdigest() for i in range(n)]
+
+
+def _idx(first_page: int, n: int) -> torch.Tensor:
+    return torch.arange(first_page * PAGE, (first_page + n) * PAGE, dtype=torch.int64)
+
+
+def _write(b: Any, pool: _HostPool, keys: list[str], seed: int = 0) -> list[bool]:
+    for p in range(len(keys)):
+        pool.fill(p, seed + p)
+    return b.batch_set_v1(keys, _idx(0, len(keys)))
+
+
+def test_selective_persistence_then_verified_read_feeds_the_cost_model(make) -> None:
+    b, pool = make(min_reuse=2)
+    keys = _keys(3, "a")
+    assert _write(b, pool, keys) == [True] * 3  # first sighting: skipped by choice
+    assert b.batch_exists(keys) == 0
+    assert b.t.counts["pages_skipped"] == 3 and b.t.counts["pages_admitted"] == 0
+    assert _write(b, pool, keys) == [True] * 3  # second sighting: written
+    assert b.batch_exists(keys) == 3
+    want = [pool.page(p) for p in range(3)]
+    before = b.t.fetch.snapshot()
+    assert b.batch_get_v1(keys, _idx(10, 3)) == [True] * 3
+    for p in range(3):
+        assert torch.equal(pool.page(10 + p), want[p])
+    snap = b.t.snapshot()
+    assert snap["backend"] == "mooncake" and snap["store"]["hits"] == 3 and not snap["store"]["faults"]
+    assert b.t.fetch.snapshot() != before  # the read was measured
+    ev = b.t.events.take()
+    assert len(ev) == 1 and ev[0].medium == "EXTERNAL" and list(ev[0].keys) == keys
+
+
+def test_second_client_reads_pages_of_the_first(make) -> None:
+    a, pool_a = make(min_reuse=1)
+    keys = _keys(2, "x")
+    assert _write(a, pool_a, keys, seed=7) == [True, True]
+    want = [pool_a.page(p) for p in range(2)]
+    b, pool_b = make(min_reuse=1)  # another instance: its own client and host pool
+    assert b.batch_exists(keys) == 2
+    assert b.batch_get_v1(keys, _idx(4, 2)) == [True, True]
+    assert torch.equal(pool_b.page(4), want[0]) and torch.equal(pool_b.page(5), want[1])
+
+
+def test_corrupt_page_is_refused_and_cuts_the_prefix(make, caplog) -> None:
+    b, pool = make(min_reuse=1)
+    keys = _keys(3, "c")
+    assert _write(b, pool, keys) == [True] * 3
+    # another writer replaces page 1's K object with other bytes of the same size
+    obj = f"{b._tag_keys([keys[1]])[0]}_{b.mha_suffix}_k"
+    size = pool.get_ksize_per_token() * PAGE
+    assert b.store.remove(obj) == 0 and b.store.put(obj, os.urandom(size)) == 0
+    with caplog.at_level("WARNING", logger="kllm.kv_tiers"):
+        got = b.batch_get_v1(keys, _idx(10, 3))
+    assert got == [True, False, False]
+    assert b.t.snapshot()["store"]["faults"] == {"corrupt": 1}
+    assert "refused (corrupt" in caplog.text
+
+
+def test_pages_of_another_layout_are_refused(make) -> None:
+    a, pool_a = make(min_reuse=1)
+    keys = _keys(2, "f")
+    assert _write(a, pool_a, keys) == [True, True]
+    # same model name, keys and sizes, other layout: Mooncake's own key prefix does not tell them apart
+    pool_b = _HostPool()
+    pool_b.layout = "page_first"
+    b, _ = make(min_reuse=1, pool=pool_b)
+    assert b.batch_get_v1(keys, _idx(10, 2)) == [False, False]
+    assert b.t.snapshot()["store"]["faults"] == {"foreign": 1}
+    # another dtype: the objects have another size, Mooncake's read fails, counted too
+    pool_c = _HostPool()
+    pool_c.dtype = torch.float16
+    c, _ = make(min_reuse=1, pool=pool_c)
+    assert c.batch_get_v1(keys, _idx(10, 2)) == [False, False]
+    assert c.t.snapshot()["store"]["faults"] == {"read_failed": 1}
+
+
+def test_full_store_refuses_writes_and_says_why(master, make, caplog) -> None:
+    _stop(master["proc"])  # a master that never evicts, so "full" stays full
+    master["proc"] = _start_master(master["log"], master["rpc"], master["http"],
+                                   ("-eviction_high_watermark_ratio=1.0", "-eviction_ratio=0.0"))
+    b, pool = make(min_reuse=1)
+    n = 0
+    for size in (1 << 20, 1 << 16, 1 << 12):  # fill the 16 MiB segment to the last bytes
+        while b.store.put(f"filler{n}", bytes(size)) == 0:
+            n += 1
+            assert n < 200
+    keys = _keys(4, "full")
+    with caplog.at_level("WARNING", logger="kllm.kv_tiers"):
+        for p in range(4):
+            pool.fill(p, p)
+        assert not all(b.batch_set_v1(keys, _idx(0, 4)))
+    assert b.t.snapshot()["store"]["faults"].get("full", 0) >= 1
+    assert "mooncake store full" in caplog.text
+    assert b.batch_exists(keys) < 4  # what was not written is a miss, never a wrong page
+    # a full store is capacity pressure: the reuse bar doubles (min_reuse 1 -> 2)
+    assert b.t.persistence.threshold(1.0, 0.0) == 2
+    assert b.batch_set_v1(_keys(2, "late"), _idx(0, 2)) == [True, True]  # skipped by choice
+    assert b.t.counts["pages_skipped"] == 2
+
+
+def test_master_down_at_start_then_back(master, make, caplog) -> None:
+    _stop(master["proc"])
+    t0 = time.monotonic()
+    with caplog.at_level("WARNING", logger="kllm.kv_tiers"):
+        b, pool = make(min_reuse=1)
+    assert time.monotonic() - t0 < 10  # no 90 s client retry loop at start-up
+    assert not b.ready and "down at start" in caplog.text
+    keys = _keys(2, "d")
+    assert b.batch_exists(keys) == 0 and b.batch_get_v1(keys, _idx(0, 2)) == [False, False]
+    assert _write(b, pool, keys) == [False, False]
+    assert b.t.snapshot()["store"]["faults"]["down_at_start"] == 1
+    master["proc"] = _start_master(master["log"], master["rpc"], master["http"])
+    deadline = time.monotonic() + 30
+    while not b.ready and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert b.ready
+    assert _write(b, pool, keys) == [True, True] and b.batch_exists(keys) == 2
+
+
+def test_master_lost_mid_run_is_a_miss(master, make, caplog) -> None:
+    b, pool = make(min_reuse=1)
+    keys = _keys(2, "l")
+    assert _write(b, pool, keys) == [True, True]
+    _stop(master["proc"])
+    with caplog.at_level("WARNING", logger="kllm.kv_tiers"):
+        for _ in range(3):
+            assert b.batch_exists(keys) == 0
+    assert b.batch_get_v1(keys, _idx(10, 2)) == [False, False]
+    faults = b.t.snapshot()["store"]["faults"]
+    assert faults.get("store_error", 0) >= 3 and faults.get("store_lost") == 1
+    assert "store lost" in caplog.text and not b.ready
