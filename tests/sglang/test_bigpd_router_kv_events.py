@@ -70,6 +70,8 @@ def test_router_indexes_real_kv_events_and_matches_prompts(publishing_server: SG
             assert cached(served) > 0.9  # the served prompt's blocks are all on the server
             assert cached(served[:200] + " and then something else entirely") > 0.2  # a shared prefix
             assert cached(fresh) == 0.0
+            async with s.post(rurl + "/generate", json=body) as r:  # now the index is live: it is consulted
+                assert r.status == 200
             async with s.get(rurl + "/metrics") as r:
                 text = await r.text()
             lookups = [ln for ln in text.splitlines() if ln.startswith("kllm_bigpd_router_kv_lookups_total")]
