@@ -1,0 +1,149 @@
+"""L1 <-> L2 copy bandwidth of scattered KV pages: our staged, double-buffered path against a
+plain `tensor.copy_` per page and against one contiguous copy (the PCIe limit), pinned and
+pageable host memory, page-first and layer-first device layouts. Needs CUDA for real figures
+(`--device cpu --pages 64` checks the logic only).
+
+    python benchmarks/kv_tiers/bench_copy_gpu.py [--pages 8192 --page-kib 32 --out result.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from plugins.kv_tiers.core.staged_copy import StagedCopier  # noqa: E402
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def timed(fn: Callable[[], None], dev: torch.device, reps: int, warmup: int = 2) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    _sync(dev)
+    out = []
+    for _ in range(reps):
+        _sync(dev)
+        t0 = time.perf_counter()
+        fn()
+        _sync(dev)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--pages", type=int, default=8192)
+    ap.add_argument("--page-kib", type=int, default=32)
+    ap.add_argument("--pool-factor", type=int, default=2, help="device pool pages = factor x pages")
+    ap.add_argument("--layers", type=int, default=32, help="layers of the layer-first pool")
+    ap.add_argument("--chunks", default="256,1024,2048", help="staging chunk sizes (pages) to try")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--out", default="")
+    a = ap.parse_args()
+    dev = torch.device(a.device)
+    dtype = torch.bfloat16
+    elems = a.page_kib * 1024 // dtype.itemsize
+    n, pool_pages = a.pages, a.pages * a.pool_factor
+    nbytes = n * elems * dtype.itemsize
+    pin = dev.type == "cuda"
+    g = torch.Generator().manual_seed(0)
+    pages = torch.randperm(pool_pages, generator=g)[:n].to(dev)  # scattered, no two alike
+    pool_pf = torch.randn(pool_pages, elems, device=dev).to(dtype)
+    pool_lf = torch.randn(a.layers, pool_pages, elems // a.layers, device=dev).to(dtype)
+    host_pinned = torch.empty(n, elems, dtype=dtype, pin_memory=pin)
+    host_pageable = torch.empty(n, elems, dtype=dtype)
+    contig = torch.empty(n, elems, dtype=dtype, device=dev)
+    rows: list[dict[str, object]] = []
+
+    def record(name: str, direction: str, host: str, layout: str, times: list[float]) -> None:
+        med = statistics.median(times)
+        rows.append({"path": name, "direction": direction, "host": host, "layout": layout,
+                     "median_s": med, "gbps": nbytes / med / 1e9,
+                     "spread_gbps": [nbytes / max(times) / 1e9, nbytes / min(times) / 1e9]})
+
+    # the PCIe limit: one contiguous copy
+    for host, h in (("pinned", host_pinned), ("pageable", host_pageable)):
+        record("contiguous_copy", "d2h", host, "-", timed(lambda: h.copy_(contig, non_blocking=True), dev, a.reps))
+        record("contiguous_copy", "h2d", host, "-", timed(lambda: contig.copy_(h, non_blocking=True), dev, a.reps))
+
+    idx_list = pages.tolist()
+
+    # baseline: a plain tensor.copy_ per page (page-first pool)
+    def per_page_d2h(h: torch.Tensor) -> None:
+        for i, p in enumerate(idx_list):
+            h[i].copy_(pool_pf[p], non_blocking=True)
+
+    def per_page_h2d(h: torch.Tensor) -> None:
+        for i, p in enumerate(idx_list):
+            pool_pf[p].copy_(h[i], non_blocking=True)
+
+    record("per_page_copy", "d2h", "pinned", "page_first", timed(lambda: per_page_d2h(host_pinned), dev, 3, 1))
+    record("per_page_copy", "h2d", "pinned", "page_first", timed(lambda: per_page_h2d(host_pinned), dev, 3, 1))
+
+    # gather on the device, then one copy (not overlapped)
+    def gather_once() -> None:
+        torch.index_select(pool_pf, 0, pages, out=contig)
+        host_pinned.copy_(contig, non_blocking=True)
+
+    record("gather_then_copy", "d2h", "pinned", "page_first", timed(gather_once, dev, a.reps))
+
+    # ours: staged, double-buffered
+    for chunk in [int(c) for c in a.chunks.split(",")]:
+        cp = StagedCopier(dev, elems, dtype, chunk_pages=chunk, num_buffers=2)
+        for layout, pool in (("page_first", pool_pf), ("layer_first", pool_lf)):
+            for host, h in (("pinned", host_pinned), ("pageable", host_pageable)):
+                if host == "pageable" and (layout == "layer_first" or chunk != 1024):
+                    continue
+                record(f"staged_c{chunk}", "d2h", host, layout,
+                       timed(lambda: cp.to_host(pool, layout, pages, h), dev, a.reps))
+                record(f"staged_c{chunk}", "h2d", host, layout,
+                       timed(lambda: cp.to_device(h, pool, layout, pages), dev, a.reps))
+
+    # correctness of the measured path, both layouts, both directions
+    cp = StagedCopier(dev, elems, dtype, chunk_pages=1024)
+    ok = True
+    for layout, pool in (("page_first", pool_pf), ("layer_first", pool_lf)):
+        cp.to_host(pool, layout, pages, host_pinned)
+        ref = pool[pages] if layout == "page_first" else pool[:, pages].transpose(0, 1).reshape(n, elems)
+        ok &= torch.equal(host_pinned.to(dev), ref)
+        host_pinned.copy_(torch.randn(n, elems).to(dtype))
+        cp.to_device(host_pinned, pool, layout, pages)
+        got = pool[pages] if layout == "page_first" else pool[:, pages].transpose(0, 1).reshape(n, elems)
+        ok &= torch.equal(got.cpu(), host_pinned)
+
+    limit = {d: next(r["gbps"] for r in rows if r["path"] == "contiguous_copy" and r["host"] == "pinned"
+                     and r["direction"] == d) for d in ("d2h", "h2d")}
+    print(f"{n} pages x {a.page_kib} KiB = {nbytes / 2**20:.0f} MiB, device {torch.cuda.get_device_name(dev) if pin else dev}")
+    print(f"{'path':<18}{'dir':<5}{'host':<10}{'layout':<13}{'GB/s':>8}{'of pinned contiguous':>22}")
+    for r in rows:
+        frac = r["gbps"] / limit[r["direction"]]
+        print(f"{r['path']:<18}{r['direction']:<5}{r['host']:<10}{r['layout']:<13}{r['gbps']:>8.2f}{frac:>21.1%}")
+    best = {}
+    for d in ("d2h", "h2d"):
+        for layout in ("page_first", "layer_first"):
+            cands = [r for r in rows if r["path"].startswith("staged") and r["host"] == "pinned"
+                     and r["direction"] == d and r["layout"] == layout]
+            top = max(cands, key=lambda r: r["gbps"])
+            best[f"{d}_{layout}"] = {"path": top["path"], "gbps": top["gbps"], "of_limit": top["gbps"] / limit[d]}
+    print("best staged (pinned):", json.dumps(best))
+    print("correct:", ok)
+    if a.out:
+        Path(a.out).write_text(json.dumps({"command": " ".join(sys.argv), "pages": n, "page_kib": a.page_kib,
+                                           "device": torch.cuda.get_device_name(dev) if pin else str(dev),
+                                           "torch": torch.__version__, "limit_gbps": limit, "best_staged": best,
+                                           "correct": ok, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
