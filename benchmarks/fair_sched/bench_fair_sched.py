@@ -1,14 +1,17 @@
-"""Benchmark: stock SGLang policies (fcfs, lpm, shortest-prefill-first) vs fair_sched on one trace,
-on real CPU SGLang servers with the tiny model. Not collected by pytest.
+"""Benchmark: stock SGLang policies (fcfs, lpm, shortest-prefill-first) vs fair_sched on the same
+traces, on real CPU SGLang servers with the tiny model. Not collected by pytest.
 
-Workload (issue 4): chunk 128; 95% one-chunk prompts (32-128 tokens) and 5% long (2.5K-5K);
-outputs 16-32 tokens (ignore_eos); Poisson arrivals at `--load` of capacity. Capacity is
-calibrated in the first server (solo TTFT of a short and a long prompt), and every policy then
-replays the same trace. Prints per-policy TTFT (overall, short, long), TPOT and throughput, and
-each policy's ratio to fcfs; appends a row to benchmarks/RESULTS.md and writes
-benchmarks/results/fair_sched.json.
+One server per policy, all started up front (idle servers sleep: `--sleep-on-idle`) and reused
+for every load and seed; seed s runs the policies in order, seed s+1 in reverse (ABBA), so slow
+drift of the machine does not favour the policies that run first.
 
-    python benchmarks/fair_sched/bench_fair_sched.py --requests 80 --load 0.6 --seeds 1
+Capacity is measured at the start on the fcfs server: after a warm-up, `--cal-requests`
+requests of the mix (their own seed) are submitted at once and capacity = requests / wall time
+(the saturated throughput of the mix). The loads are fractions of it. Solo TTFT of a long prompt
+is measured at the mix's shortest and longest long prompt (linear in between) for the ratio
+"long TTFT / solo TTFT".
+
+    python benchmarks/fair_sched/bench_fair_sched.py --mix issue --requests 200 --loads 0.6 0.85 --seeds 2
 """
 from __future__ import annotations
 
@@ -16,277 +19,178 @@ import argparse
 import json
 import os
 import random
+import signal
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from serving import Job, Outcome, run_jobs, sglang_server  # noqa: E402
+from report import POLICIES, append_results_md, plot, table, write_json  # noqa: E402
+from serving import Job, run_jobs, sglang_server  # noqa: E402
+from workload import MIXES, Mix, make_trace, summarize  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-POLICIES = ("fcfs", "lpm", "shortest-prefill-first", "fair_sched")
+COUNTERS = ("yields_to_short", "yields_to_decode", "limited_passes", "shorts_beside_long", "long_started",
+            "long_finished", "long_chunks", "recomputed_tokens", "second_truncation_refused")
 
 
-def pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    if not s:
-        return float("nan")
-    k = (len(s) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+def rand_ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(5, 4090) for _ in range(n)]
 
 
-def make_trace(n: int, rate: float, seed: int, long_frac: float, long_range: tuple[int, int]) -> list[Job]:
-    rng = random.Random(seed)
-    n_long = max(1, round(n * long_frac))
-    long_idx = set(rng.sample(range(n), n_long))
-    t = 0.0
-    jobs = []
-    for i in range(n):
-        t += rng.expovariate(rate)
-        is_long = i in long_idx
-        plen = rng.randint(*long_range) if is_long else rng.randint(32, 128)
-        ids = [rng.randrange(5, 4090) for _ in range(plen)]
-        jobs.append(Job(f"s{seed}-r{i}", t, ids, rng.randint(16, 32), "long" if is_long else "short"))
-    return jobs
+def start_servers(stack: ExitStack, policies: list[str], args: Any, model: str) -> dict[str, Any]:
+    servers = {}
+    for policy in policies:
+        env = dict(kv.split("=", 1) for kv in args.fair_env) if policy == "fair_sched" else {}
+        extra = ["--chunked-prefill-size", str(args.chunk), "--schedule-policy",
+                 "fcfs" if policy == "fair_sched" else policy, "--dtype", args.dtype]
+        servers[policy] = sglang_server(model, plugins=["fair_sched"] if policy == "fair_sched" else [],
+                                        extra_args=extra, max_total_tokens=args.max_total_tokens, env=env)
+    t0 = time.time()
+    with ThreadPoolExecutor(len(servers)) as pool:
+        list(pool.map(lambda s: s.start(), servers.values()))
+    for srv in servers.values():
+        stack.callback(srv.stop)
+    print(f"{len(servers)} servers up in {time.time() - t0:.0f}s", flush=True)
+    return servers
 
 
-def during_long(outs: list[Outcome]) -> list[float]:
-    """TTFT of the short requests that arrived while a long request was waiting for its first token."""
-    windows = [(o.arrival_s, o.arrival_s + o.ttft_s) for o in outs if o.kind == "long"]
-    return [o.ttft_s for o in outs if o.kind == "short" and any(a <= o.arrival_s <= b for a, b in windows)]
+def warm_up(url: str, tag: str) -> None:
+    rng = random.Random(7)
+    run_jobs(url, [Job(f"warm-{tag}-{i}", 0.0, rand_ids(rng, n), 8, "short") for i, n in enumerate((80, 300, 1500, 80))])
 
 
-def summarize(outs: list[Outcome], wall_s: float) -> dict[str, Any]:
-    ttft = [o.ttft_s for o in outs]
-    hit = during_long(outs)
-    short = [o.ttft_s for o in outs if o.kind == "short"]
-    long_ = [o.ttft_s for o in outs if o.kind == "long"]
-    tpot = [o.tpot_s for o in outs if o.output_len > 1]
-    return {
-        "ttft_s": {"mean": statistics.fmean(ttft), "p50": pct(ttft, 0.5), "p90": pct(ttft, 0.9),
-                   "p95": pct(ttft, 0.95), "p99": pct(ttft, 0.99)},
-        "ttft_short_s": {"mean": statistics.fmean(short), "p50": pct(short, 0.5), "p90": pct(short, 0.9),
-                         "p99": pct(short, 0.99)},
-        "ttft_long_s": {"mean": statistics.fmean(long_), "max": max(long_)},
-        "ttft_short_during_long_s": {"n": len(hit), "mean": statistics.fmean(hit) if hit else float("nan")},
-        "tpot_s": {"mean": statistics.fmean(tpot), "p50": pct(tpot, 0.5)},
-        "throughput_req_s": len(outs) / wall_s,
-        "wall_s": wall_s,
-    }
+def measure(url: str, mix: Mix, n_cal: int) -> dict[str, float]:
+    rng = random.Random(999)
+    solo: dict[str, float] = {}
+    solo["short_ttft_s"] = statistics.median(
+        run_jobs(url, [Job(f"cal-s{i}", 0.0, rand_ids(rng, 80), 16, "short")])[0].ttft_s for i in range(3))
+    for name, n in (("lo", mix.long_min), ("hi", mix.long_max)):
+        solo[f"long_{name}_tokens"] = float(n)
+        solo[f"long_{name}_ttft_s"] = run_jobs(url, [Job(f"cal-l{name}", 0.0, rand_ids(rng, n), 16, "long")])[0].ttft_s
+    burst = make_trace(mix, n_cal, 0.0, 999, prefix="cal-")
+    t0 = time.perf_counter()
+    run_jobs(url, burst)
+    wall = time.perf_counter() - t0
+    solo["capacity_req_s"] = n_cal / wall
+    solo["capacity_burst_requests"] = float(n_cal)
+    solo["capacity_burst_wall_s"] = wall
+    return solo
 
 
-def calibrate(url: str, seed: int, long_range: tuple[int, int]) -> dict[str, float]:
-    rng = random.Random(1000 + seed)
-    mean_long = sum(long_range) // 2
-    shorts = [Job(f"cal-s{i}", 0.0, [rng.randrange(5, 4090) for _ in range(80)], 24, "short") for i in range(3)]
-    long_job = Job("cal-l", 0.0, [rng.randrange(5, 4090) for _ in range(mean_long)], 24, "long")
-    # Warm up first: the first requests after start-up pay one-off costs (several seconds here).
-    run_jobs(url, [Job(f"warm{i}", 0.0, [rng.randrange(5, 4090) for _ in range(n)], 8, "short")
-                   for i, n in enumerate((80, 300, 80))])
-    t_short = statistics.median(run_jobs(url, [j])[0].ttft_s for j in shorts)
-    out = run_jobs(url, [long_job])[0]
-    return {"short_ttft_s": t_short, "long_ttft_s": out.ttft_s, "long_tokens": float(mean_long)}
+def solo_fn(cal: dict[str, float]) -> Any:
+    lo, hi = cal["long_lo_tokens"], cal["long_hi_tokens"]
+    tlo, thi = cal["long_lo_ttft_s"], cal["long_hi_ttft_s"]
+    slope = (thi - tlo) / (hi - lo) if hi > lo else 0.0
+    return lambda n: max(tlo + slope * (n - lo), 1e-3)
+
+
+def counters(srv: Any) -> dict[str, float]:
+    try:
+        total = srv.get_json("/kllm/stats").get("fair_sched", {}).get("total", {})
+    except Exception:  # noqa: BLE001 - stats are informative only
+        return {}
+    return {k: total.get(k, 0) for k in COUNTERS}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--requests", type=int, default=80)
-    ap.add_argument("--load", type=float, nargs="+", default=[0.6])
-    ap.add_argument("--seeds", type=int, default=1)
-    ap.add_argument("--long-min", type=int, default=2500)
-    ap.add_argument("--long-max", type=int, default=5000)
-    ap.add_argument("--long-frac", type=float, default=0.05)
+    ap.add_argument("--mix", choices=sorted(MIXES), default="issue")
+    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--loads", type=float, nargs="+", default=[0.6, 0.85])
+    ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--policies", nargs="+", default=list(POLICIES))
     ap.add_argument("--chunk", type=int, default=128)
-    ap.add_argument("--capacity-factor", type=float, default=0.75)
-    ap.add_argument("--rate", type=float, default=0.0, help="fixed capacity in req/s (skips calibration)")
+    ap.add_argument("--dtype", default="float32", help="float32: outputs comparable token for token across policies")
+    ap.add_argument("--max-total-tokens", type=int, default=65536)
+    ap.add_argument("--cal-requests", type=int, default=60)
+    ap.add_argument("--capacity", type=float, default=0.0, help="req/s; skips the capacity burst (smoke runs)")
     ap.add_argument("--fair-env", nargs="*", default=[], help="KLLM_FAIR_SCHED_*=value for the fair_sched server")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "fair_sched.json"))
+    ap.add_argument("--plot", default="", help="default: benchmarks/results/fair_sched_<mix>.png")
     ap.add_argument("--no-record", action="store_true")
-    ap.add_argument("--reanalyze", default="", help="recompute the table from a (partial) JSON of this script")
-    ap.add_argument("--plot", default=os.path.join(ROOT, "benchmarks", "results", "fair_sched_ttft.png"))
     args = ap.parse_args()
-    if args.reanalyze:
-        reanalyze(args)
-        return
-
+    # A TERM (e.g. a timeout) must still stop the servers: leave through the ExitStack.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    mix = MIXES[args.mix]
     from kllm_plugins.models.tiny_llama import tiny_llama_path
 
     model = str(tiny_llama_path())
-    long_range = (args.long_min, args.long_max)
     command = "python " + " ".join(sys.argv)
     runs: list[dict[str, Any]] = []
-    calib: dict[str, float] | None = None
-    fair_stats: dict[str, Any] = {}
-    traces: dict[tuple[float, int], list[Job]] = {}
-    # Seed r runs every policy in one server each; odd seeds reverse the order (ABBA), so slow
-    # drift of a shared machine's load does not favour the policies that happen to run first.
-    for seed in range(args.seeds):
-        order = list(args.policies) if seed % 2 == 0 else list(reversed(args.policies))
-        for policy in order:
-            calib, stats_now = run_policy(policy, seed, args, model, long_range, calib, traces, runs, command)
-            if stats_now:
-                fair_stats = stats_now
-    report(runs, args, command, calib or {}, fair_stats)
-    if args.plot:
-        plot(runs, args.plot)
-
-
-def reanalyze(args: Any) -> None:
-    """Rebuild per-request outcomes from a JSON (arrivals come from the seeded trace) and report."""
-    with open(args.reanalyze, encoding="utf-8") as fh:
-        data = json.load(fh)
-    runs = data["runs"]
-    long_range = (args.long_min, args.long_max)
+    requests: dict[str, list[list[Any]]] = {}
+    outputs: dict[str, dict[str, list[int]]] = {}
+    t_start = time.time()
+    with ExitStack() as stack:
+        servers = start_servers(stack, args.policies, args, model)
+        for name, srv in servers.items():
+            warm_up(srv.base_url, name)
+        cal_srv = servers.get("fcfs") or next(iter(servers.values()))
+        cal = measure(cal_srv.base_url, mix, args.cal_requests)
+        if args.capacity:
+            cal["capacity_req_s"] = args.capacity
+        print(f"calibration: {json.dumps(cal)}", flush=True)
+        solo = solo_fn(cal)
+        for seed in range(args.seeds):
+            order = list(args.policies) if seed % 2 == 0 else list(reversed(args.policies))
+            for policy in order:
+                srv = servers[policy]
+                for load in args.loads:
+                    rate = load * cal["capacity_req_s"]
+                    jobs = make_trace(mix, args.requests, rate, seed)
+                    before = counters(srv) if policy == "fair_sched" else {}
+                    t0 = time.perf_counter()
+                    outs = run_jobs(srv.base_url, jobs)
+                    wall = time.perf_counter() - t0
+                    key = f"{policy}@{load}/s{seed}"
+                    row = {"mix": mix.name, "load": load, "seed": seed, "policy": policy, "rate_req_s": rate,
+                           "requests": len(jobs), **summarize(outs, wall, solo), "key": key}
+                    if before:
+                        after = counters(srv)
+                        row["fair_sched_counters"] = {k: after.get(k, 0) - before.get(k, 0) for k in COUNTERS}
+                    runs.append(row)
+                    requests[key] = [[o.kind, o.prompt_len, round(o.ttft_s, 4), round(o.tpot_s, 4)] for o in outs]
+                    outputs[key] = {o.rid: o.output_ids for o in outs}
+                    print(f"[{time.time() - t_start:5.0f}s] {key} rate={rate:.2f}/s wall={wall:.0f}s "
+                          f"ttft mean={row['ttft_s']['mean']:.2f} p90={row['ttft_s']['p90']:.2f} "
+                          f"p99={row['ttft_s']['p99']:.2f} short p90={row['ttft_short_s']['p90']:.2f} "
+                          f"long mean={row['ttft_long_s']['mean']:.2f} tpot={row['tpot_s']['mean'] * 1000:.0f}ms "
+                          f"thr={row['throughput_req_s']:.2f} {row.get('fair_sched_counters', '')}", flush=True)
     for r in runs:
-        jobs = make_trace(args.requests, r["rate_req_s"], r["seed"], args.long_frac, long_range)
-        outs = [Outcome(j.rid, kind, plen, j.arrival_s, ttft, ttft, 2, [], None)
-                for j, (kind, plen, ttft, _tpot) in zip(jobs, r["requests"])]
-        hit = during_long(outs)
-        r["ttft_short_during_long_s"] = {"n": len(hit), "mean": statistics.fmean(hit) if hit else float("nan")}
-    args.load = sorted({r["load"] for r in runs})
-    args.seeds = len({r["seed"] for r in runs})
-    report(runs, args, data["command"], data.get("calibration", {}), data.get("fair_sched_counters", {}))
-    if args.plot:
-        plot(runs, args.plot)
-
-
-def plot(runs: list[dict[str, Any]], path: str) -> None:
-    """TTFT distributions (CDF) per policy: all, short and long requests, every load and seed pooled."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot", flush=True)
-        return
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    for ax, kind in zip(axes, ("all", "short", "long")):
-        for policy in POLICIES:
-            xs = sorted(t for r in runs if r["policy"] == policy for k, _, t, _ in r["requests"] if kind in ("all", k))
-            if xs:
-                ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=policy)
-        ax.set_xscale("log")
-        ax.set_xlabel("TTFT (s)")
-        ax.set_title(f"TTFT CDF: {kind} requests")
-        ax.grid(True, alpha=0.3)
-    axes[0].set_ylabel("fraction of requests")
-    axes[0].legend()
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fig.savefig(path, dpi=110)
-    print(f"plot: {path}", flush=True)
-
-
-def run_policy(policy: str, seed: int, args: Any, model: str, long_range: tuple[int, int],
-               calib: dict[str, float] | None, traces: dict[tuple[float, int], list[Job]],
-               runs: list[dict[str, Any]], command: str) -> tuple[dict[str, float], dict[str, Any]]:
-    plugins = ["fair_sched"] if policy == "fair_sched" else []
-    sched = "fcfs" if policy == "fair_sched" else policy
-    env = dict(kv.split("=", 1) for kv in args.fair_env) if policy == "fair_sched" else {}
-    extra = ["--chunked-prefill-size", str(args.chunk), "--schedule-policy", sched]
-    fair_stats: dict[str, Any] = {}
-    t0 = time.time()
-    with sglang_server(model, plugins=plugins, extra_args=extra, max_total_tokens=32768, env=env) as srv:
-        print(f"[{policy}] server up in {time.time() - t0:.0f}s", flush=True)
-        if calib is None and args.rate:
-            calib = {"capacity_req_s": args.rate, "long_ttft_s": float("nan"), "long_tokens": 1.0}
-        if calib is None:
-            calib = calibrate(srv.base_url, 0, long_range)
-            # Capacity from solo prefill times; 0.75 is the decode share the issue's baseline
-            # implies (2.3 req/s at 0.6 of capacity with 0.05 s shorts and ~3 s longs).
-            service = (1 - args.long_frac) * calib["short_ttft_s"] + args.long_frac * calib["long_ttft_s"]
-            calib["capacity_req_s"] = args.capacity_factor / service
-            print(f"calibration: {calib}", flush=True)
-        else:
-            run_jobs(srv.base_url, [Job(f"warm{i}-{policy}-{seed}", 0.0, list(range(5 + i, 300 + i)), 8, "short")
-                                    for i in range(3)])
-        for load in args.load:
-            rate = load * calib["capacity_req_s"]
-            jobs = traces.setdefault((load, seed), make_trace(args.requests, rate, seed, args.long_frac, long_range))
-            start = time.perf_counter()
-            outs = run_jobs(srv.base_url, jobs)
-            wall = time.perf_counter() - start
-            row = {"load": load, "seed": seed, "policy": policy, "rate_req_s": rate, **summarize(outs, wall)}
-            row["long_slowdown_max"] = max(
-                o.ttft_s / (calib["long_ttft_s"] * o.prompt_len / calib["long_tokens"]) for o in outs if o.kind == "long"
-            )
-            row["output_ids"] = {o.rid: o.output_ids for o in outs}
-            row["requests"] = [[o.kind, o.prompt_len, round(o.ttft_s, 4), round(o.tpot_s, 4)] for o in outs]
-            runs.append(row)
-            if not args.no_record:  # keep partial results if the run is cut short
-                os.makedirs(os.path.dirname(args.out), exist_ok=True)
-                with open(args.out + ".partial", "w", encoding="utf-8") as fh:
-                    json.dump({"command": command, "calibration": calib, "runs": runs}, fh)
-            print(f"[{policy}] load={load} seed={seed} rate={rate:.3f}/s wall={wall:.0f}s "
-                  f"ttft mean={row['ttft_s']['mean']:.2f} p50={row['ttft_s']['p50']:.2f} "
-                  f"p90={row['ttft_s']['p90']:.2f} p99={row['ttft_s']['p99']:.2f} "
-                  f"short p90={row['ttft_short_s']['p90']:.2f} long mean={row['ttft_long_s']['mean']:.2f} "
-                  f"tpot={row['tpot_s']['mean'] * 1000:.0f}ms thr={row['throughput_req_s']:.3f}", flush=True)
-        if policy == "fair_sched":
-            fair_stats = srv.get_json("/kllm/stats").get("fair_sched", {}).get("total", {})
-            print(f"[fair_sched] counters: {fair_stats}", flush=True)
-    return calib, fair_stats
-
-
-def _median(rows: list[dict[str, Any]], path: tuple[str, ...]) -> float:
-    vals = []
-    for r in rows:
-        v: Any = r
-        for p in path:
-            v = v[p]
-        vals.append(float(v))
-    return statistics.median(vals)
-
-
-METRICS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("TTFT mean", ("ttft_s", "mean")), ("TTFT p50", ("ttft_s", "p50")), ("TTFT p90", ("ttft_s", "p90")),
-    ("TTFT p95", ("ttft_s", "p95")), ("TTFT p99", ("ttft_s", "p99")), ("short TTFT p90", ("ttft_short_s", "p90")),
-    ("long TTFT mean", ("ttft_long_s", "mean")), ("short-in-long mean", ("ttft_short_during_long_s", "mean")), ("TPOT mean", ("tpot_s", "mean")),
-    ("throughput req/s", ("throughput_req_s",)),
-)
-
-
-def report(runs: list[dict[str, Any]], args: Any, command: str, calib: dict[str, float], fair_stats: dict[str, Any]) -> None:
-    lines = []
-    for load in args.load:
-        at = [r for r in runs if r["load"] == load]
-        policies = [p for p in POLICIES if any(r["policy"] == p for r in at)]
-        lines.append(f"load {load} (median over {args.seeds} seed(s); ratio to fcfs in brackets)")
-        lines.append(f"{'metric':18s}" + "".join(f"{p:>28s}" for p in policies))
-        for name, path in METRICS:
-            base = _median([r for r in at if r["policy"] == "fcfs"], path) if any(r["policy"] == "fcfs" for r in at) else None
-            cells = []
-            for p in policies:
-                v = _median([r for r in at if r["policy"] == p], path)
-                cells.append(f"{v:10.3f} [{v / base:5.2f}x]" if base else f"{v:10.3f}")
-            lines.append(f"{name:18s}" + "".join(f"{c:>28s}" for c in cells))
-    same = []
-    for r in runs:
-        base = next((b for b in runs if b["policy"] == "fcfs" and b["load"] == r["load"] and b["seed"] == r["seed"]), None)
-        if base is not None and r["policy"] != "fcfs":
-            same.append(f"{r['policy']}@{r['load']}/s{r['seed']}: {'identical' if r['output_ids'] == base['output_ids'] else 'DIFFERENT'}")
-    if same:
-        lines.append("outputs vs fcfs: " + ", ".join(same))
-    lines.append(f"capacity {calib.get('capacity_req_s', float('nan')):.3f} req/s (calibrated: {calib})")
-    text = "\n".join(lines)
+        base = f"fcfs@{r['load']}/s{r['seed']}"
+        if base in outputs and r["policy"] != "fcfs":
+            a, b = outputs[r["key"]], outputs[base]
+            r["outputs_identical_to_fcfs"] = sum(a[k] == b.get(k) for k in a) / len(a)
+    text = table(runs, args.loads)
+    ident = ", ".join(f"{r['key']}: {r['outputs_identical_to_fcfs']:.0%}" for r in runs if "outputs_identical_to_fcfs" in r)
+    text += f"\nrequests with outputs identical to fcfs: {ident}\ncalibration ({mix.name} mix): " + json.dumps(
+        {k: round(v, 4) for k, v in cal.items()})
     print(text, flush=True)
+    from kllm_plugins.plugins.fair_sched.config import FairSchedConfig
+    from kllm_plugins.plugins.fair_sched.core import max_stretch_bound
+
+    env_cfg = {kv.split("=", 1)[0].removeprefix("KLLM_FAIR_SCHED_").lower(): kv.split("=", 1)[1] for kv in args.fair_env}
+    cfg = FairSchedConfig(**{k: type(getattr(FairSchedConfig(), k))(v) for k, v in env_cfg.items()})
+    k_bound = max_stretch_bound(mix.long_min, mix.long_max, cfg.quota_params(args.chunk))
+    stretch = max((r["long_ttft_over_solo"]["max"] for r in runs if r["policy"] == "fair_sched"), default=float("nan"))
+    text += f"\nstarvation bound K = {k_bound:.2f} (fair_sched config {env_cfg or 'defaults'}); measured max long TTFT/solo: {stretch:.2f}"
+    print(text.splitlines()[-1], flush=True)
+    plot_path = args.plot or os.path.join(ROOT, "benchmarks", "results", f"fair_sched_{mix.name}.png")
     if args.no_record:
         return
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as fh:
-        json.dump({"command": command, "calibration": calib, "fair_sched_counters": fair_stats, "runs": runs}, fh, indent=1)
-    results_md = os.path.join(ROOT, "benchmarks", "RESULTS.md")
-    if not os.path.exists(results_md):
-        with open(results_md, "w", encoding="utf-8") as fh:
-            fh.write("# Benchmark results\n")
-    with open(results_md, "a", encoding="utf-8") as fh:
-        fh.write(f"\n## fair_sched ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})\n\n`{command}`\n\n```\n{text}\n```\n")
+    meta = {"calibration": cal, "fair_env": env_cfg, "stretch_bound_k": k_bound, "dtype": args.dtype,
+            "requests_file": f"fair_sched_{mix.name}_requests.json"}
+    write_json(args.out, mix.name, command, meta, runs)
+    with open(os.path.join(os.path.dirname(args.out), meta["requests_file"]), "w", encoding="utf-8") as fh:
+        json.dump(requests, fh)
+    plot(runs, requests, args.loads, plot_path, mix.name)
+    append_results_md(ROOT, command, text, f"Mix `{mix.name}`; plot {os.path.relpath(plot_path, ROOT)}; figures in "
+                      f"{os.path.relpath(args.out, ROOT)}.")
 
 
 if __name__ == "__main__":

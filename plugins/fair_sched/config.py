@@ -24,8 +24,10 @@ class FairSchedConfig:
     """Fraction of the pass budget the active long request keeps when it runs."""
     one_chunk_tokens: int = 0
     """Uncached prompt tokens up to which a request counts as one-chunk; 0: one budget."""
-    decode_every_chunks: int = 2
+    decode_every_chunks: int = 0
     """While requests decode, a long prefill sits out one pass (a decode step) after this many chunks; 0: never."""
+    mixed_decode: bool = True
+    """Running requests decode one token inside every prefill pass (SGLang's mixed chunk), so prefills never stall them."""
     kv_high_watermark: float = 0.95
     """KV usage at which admission of new requests stops (1.0: only when full)."""
     kv_low_watermark: float = 0.85
@@ -36,6 +38,8 @@ class FairSchedConfig:
     """Longest repeating period (tokens) the loop detector looks for."""
     loop_action: str = "finish"
     """finish: end the request with a 'repetition_loop' finish reason; retract: free its KV and requeue it."""
+    loop_max_retracts: int = 1
+    """With loop_action=retract: loop retractions of one request before its next loop finishes it."""
     publish_interval_s: float = 0.5
     """Seconds between snapshots for /kllm/stats."""
 
@@ -69,6 +73,8 @@ class FairSchedConfig:
             raise ValueError(
                 f"loop_max_period must be <= loop_min_tokens // 2 = {self.loop_min_tokens // 2}, got {self.loop_max_period}"
             )
+        if self.loop_max_retracts < 0:
+            raise ValueError(f"loop_max_retracts must be >= 0, got {self.loop_max_retracts}")
         if self.loop_action not in LOOP_ACTIONS:
             raise ValueError(f"loop_action must be one of {LOOP_ACTIONS}, got {self.loop_action!r}")
         if not 0 < self.publish_interval_s <= 60:

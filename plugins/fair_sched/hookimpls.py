@@ -1,11 +1,10 @@
 """Layer: hook implementations (no SGLang import). Declares the fair_sched plugin to the host."""
 from __future__ import annotations
 
-from typing import Any
 
 from kllm_plugins.hookspecs import hookimpl
 from kllm_plugins.plugins.fair_sched.config import LOOP_ACTIONS, FairSchedConfig
-from kllm_plugins.spec import OptionSpec, PatchSpec, PluginSpec
+from kllm_plugins.spec import OptionSpec, PatchSpec, PluginSpec, parse_bool
 
 ADAPTER = "kllm_plugins.plugins.fair_sched.sglang_adapter"
 _SCHED = "sglang.srt.managers.scheduler.Scheduler"
@@ -51,6 +50,22 @@ PATCHES: tuple[PatchSpec, ...] = (
         why="cut outputs caught in a repetition loop with a clear finish reason (their KV is then freed by the normal finish path)",
         upstream="a pluggable stop-condition hook on Req",
     ),
+    PatchSpec(
+        target=f"{_SCHED}.update_running_batch",
+        impl=f"{ADAPTER}:around_update_running_batch",
+        kind="around",
+        why="loop_action=retract: before the decode step, release the KV of outputs caught in a repetition loop "
+        "and requeue them (where SGLang itself retracts under memory pressure)",
+        upstream="a retraction hook that lets a plugin name requests to retract",
+    ),
+    PatchSpec(
+        target="sglang.srt.managers.load_snapshot.LoadSnapshot.to_dict",
+        impl=f"{ADAPTER}:around_load_snapshot_to_dict",
+        kind="around",
+        why="publish the fair_sched section (KV usage, watermark state, long-request queue, quota) in /v1/loads, "
+        "JSON and Prometheus, where a router already reads the engine's load",
+        upstream="an extension field in LoadSnapshot that plugins may fill from the scheduler",
+    ),
 )
 
 
@@ -71,19 +86,15 @@ def kllm_declare() -> PluginSpec:
             OptionSpec("long_min_share", float, d.long_min_share, "fraction of the pass budget the active long prefill keeps"),
             OptionSpec("one_chunk_tokens", int, d.one_chunk_tokens, "uncached tokens up to which a request goes first (0: one budget)"),
             OptionSpec("decode_every_chunks", int, d.decode_every_chunks, "decode step after this many long-prefill chunks while requests decode (0: never)"),
+            OptionSpec("mixed_decode", parse_bool, d.mixed_decode, "running requests decode inside every prefill pass (SGLang's mixed chunk)"),
             OptionSpec("kv_high_watermark", float, d.kv_high_watermark, "KV usage that pauses admission of new requests"),
             OptionSpec("kv_low_watermark", float, d.kv_low_watermark, "KV usage below which admission resumes"),
             OptionSpec("loop_min_tokens", int, d.loop_min_tokens, "cut outputs repeating a short period this long (0: off)"),
             OptionSpec("loop_max_period", int, d.loop_max_period, "longest repeating period the loop detector looks for"),
             OptionSpec("loop_action", str, d.loop_action, "what to do with a looping output", choices=LOOP_ACTIONS),
+            OptionSpec("loop_max_retracts", int, d.loop_max_retracts, "loop retractions of one request before its next loop finishes it"),
             OptionSpec("publish_interval_s", float, d.publish_interval_s, "seconds between snapshots for /kllm/stats"),
         ),
         patches=PATCHES,
         config_factory=FairSchedConfig,
     )
-
-
-@hookimpl
-def kllm_validate(config: Any, enabled: list[str]) -> None:
-    if config.loop_action == "retract" and config.loop_min_tokens:
-        raise ValueError("loop_action=retract is not implemented yet; use loop_action=finish")

@@ -17,11 +17,20 @@ KV allocator) into the core's plain types each pass and applies the core's decis
 * `Scheduler.get_prefill_adder_class` (around): a `PrefillAdder` subclass that refuses a
   second truncated (partially prefilled) request and admits nothing while the watermark gate
   is closed.
-* `Req.update_finish_state` (around): the repetition-loop cut.
+* `Req.update_finish_state` (around): the repetition-loop detector; `finish` ends the request,
+  `retract` marks it for:
+* `Scheduler.update_running_batch` (around): before the decode step, marked requests release
+  their KV (as SGLang's own retraction does) and go back to the waiting queue.
+* `LoadSnapshot.to_dict` (around, in the HTTP process): adds the `kllm_fair_sched` section,
+  read from the scheduler's published snapshot, to `/v1/loads`.
 """
 from __future__ import annotations
 
+import glob
+import json
 import logging
+import os
+import time
 from typing import Any, Callable
 
 from kllm_plugins import metrics, runtime
@@ -35,6 +44,8 @@ logger = logging.getLogger("kllm.fair_sched")
 
 PLUGIN = "fair_sched"
 LOOP_REASON = "repetition_loop"
+LOADS_KEY = "kllm_fair_sched"
+"""Section name in /v1/loads (its Prometheus gauges are sglang_kllm_fair_sched_<field>)."""
 
 
 class _State:
@@ -45,6 +56,7 @@ class _State:
         self.policy = FairPolicy(cfg.quota_params(chunk_tokens, page_size))
         self.gate = WatermarkGate(cfg.kv_high_watermark, cfg.kv_low_watermark)
         self.long_limit: int | None = None
+        self.pass_budget: int | None = None
         self.parked: Any = None
         self.admit = True
         self.chunk_end: dict[str, int] = {}
@@ -62,20 +74,34 @@ class _State:
             "second_truncation_refused": 0,
             "loops_cut": 0,
             "loop_freed_tokens": 0,
+            "loops_retracted": 0,
+            "loop_retract_freed_tokens": 0,
         }
+        self.sched: Any = None
         self.writer = StatsWriter(PLUGIN, cfg.publish_interval_s)
         self._m_yields = metrics.counter("kllm_fair_sched_yields_total", "Passes a long prefill yielded", ("to",))
         self._m_chunks = metrics.counter("kllm_fair_sched_long_chunks_total", "Chunks prefilled for long requests")
         self._m_loops = metrics.counter("kllm_fair_sched_loops_cut_total", "Outputs cut for a repetition loop")
+        self._m_retracts = metrics.counter("kllm_fair_sched_loops_retracted_total", "Outputs retracted for a repetition loop")
         self._m_paused = metrics.gauge("kllm_fair_sched_admission_paused_bool", "1 while the KV watermark gate is closed")
 
     def snapshot(self) -> dict[str, Any]:
         snap: dict[str, Any] = dict(self.counters)
         snap.update(self.gate.state())
+        p = self.policy.params
+        snap.update(budget_tokens=p.budget_tokens, base_quota_tokens=p.base_quota_tokens,
+                    quota_growth=p.quota_growth, max_quota_tokens=p.max_quota_tokens)
         a = self.policy.active
-        snap["active_long_rid"] = a.rid if a else None
-        snap["active_long_quota"] = a.quota if a else 0
-        snap["budget_tokens"] = self.policy.params.budget_tokens
+        snap["active_long"] = None if a is None else {
+            "rid": a.rid, "work_tokens": a.work_tokens, "computed_tokens": a.computed_tokens,
+            "quota_tokens": a.quota, "turn_used_tokens": a.turn_used, "yields": a.yields,
+        }
+        waiting = list(getattr(self.sched, "waiting_queue", None) or [])
+        longs = [r.rid for r in waiting if not self.policy.is_one_chunk(_work(r))]
+        snap["waiting_reqs"] = len(waiting)
+        snap["waiting_long_reqs"] = len(longs)
+        snap["waiting_long_rids"] = longs[:16]
+        snap["dp_rank"] = int(getattr(self.sched, "dp_rank", 0) or 0)
         return snap
 
     def publish(self, changed: bool) -> None:
@@ -84,6 +110,10 @@ class _State:
 
 _state: _State | None = None
 _loop_detectors: dict[str, RepetitionDetector] = {}
+_retract_pending: dict[str, tuple[int, int]] = {}
+"""rid -> (period, loop length): looping requests to retract before the next decode step."""
+_loop_retracts: dict[str, int] = {}
+"""rid -> loop retractions so far."""
 
 
 def state() -> _State | None:
@@ -99,7 +129,21 @@ def _ensure_state(scheduler: Any) -> _State | None:
             return None
         _state = _State(runtime.config_of(PLUGIN), int(chunk), int(getattr(scheduler, "page_size", 1) or 1))
         logger.info("fair_sched: policy %s", _state.policy.params)
+    if _state.sched is None:
+        _state.sched = scheduler
+        if _state.cfg.mixed_decode and not getattr(scheduler, "is_mixed_chunk", True) and _mixable(scheduler):
+            # Stall-free prefill: SGLang's mixed chunk adds one decode token per running request
+            # to each prefill pass (and takes them from that pass's chunk budget).
+            scheduler.is_mixed_chunk = True
+            logger.info("fair_sched: mixed decode on (running requests decode inside prefill passes)")
     return _state
+
+
+def _mixable(scheduler: Any) -> bool:
+    """SGLang turns mixed chunk off with speculative decoding, diffusion LMs and HiSparse; so do we."""
+    spec = getattr(scheduler, "spec_algorithm", None)
+    return (spec is None or spec.is_none()) and getattr(scheduler, "dllm_config", None) is None \
+        and not getattr(scheduler, "enable_hisparse", False)
 
 
 def _work(req: Any) -> int:
@@ -141,21 +185,31 @@ def around_get_new_batch_prefill_raw(original: Callable[..., Any], self: Any, *a
         st.publish(bool(self.waiting_queue))
         return None, running_batch
     decode_running = bool(running_batch is not None and any(not r.finished() for r in running_batch.reqs))
-    plan = pol.plan(_items(self.waiting_queue), decode_running) if cr is not None else PassPlan("admit")
+    mixing = bool(getattr(self, "is_mixed_chunk", False))
+    # Decode rows riding along a mixed pass take one budget token each (PrefillAdder does the same).
+    budget = int(self.chunked_prefill_size) - len(running_batch.reqs) if mixing and running_batch is not None else None
+    plan = pol.plan(_items(self.waiting_queue), decode_running, budget) if cr is not None else PassPlan("admit")
+    st.pass_budget = budget
     if plan.action == "yield":
         st.counters[f"yields_to_{plan.yield_to}"] += 1
         st._m_yields.labels(to=plan.yield_to).inc()
         if plan.yield_to == "decode":
+            st.pass_budget = None
             st.publish(True)
             return None, running_batch
         self.chunked_req = None
         st.parked = cr
+        st.pass_budget = None
+        if mixing:
+            # The pass goes to blocked one-chunk requests whole: no decode rows in it this time.
+            self.is_mixed_chunk = False
         try:
             result = original(self, *args, **kwargs)
         finally:
             if self.chunked_req is not None:  # cannot happen: the adder refuses truncation while parked
                 logger.error("fair_sched: a request was truncated while %s was parked", cr.rid)
             self.chunked_req = cr
+            self.is_mixed_chunk = mixing
             st.parked = None
     else:
         st.long_limit = plan.long_limit
@@ -165,6 +219,7 @@ def around_get_new_batch_prefill_raw(original: Callable[..., Any], self: Any, *a
             result = original(self, *args, **kwargs)
         finally:
             st.long_limit = None
+    st.pass_budget = None
     batch = result[0] if isinstance(result, tuple) else None
     try:
         _observe(st, self, batch)
@@ -181,7 +236,10 @@ def _observe(st: _State, scheduler: Any, batch: Any) -> None:
     pol = st.policy
     cr = scheduler.chunked_req
     active_rid = pol.active.rid if pol.active is not None else None
+    decoding = {id(r) for r in (getattr(batch, "decoding_reqs", None) or [])}
     for req in batch.reqs:
+        if id(req) in decoding:
+            continue
         extend = int(req.extend_end) - int(req.prefix_len)
         if extend <= 0:
             continue
@@ -220,7 +278,7 @@ def around_calc_priority(original: Callable[..., Any], self: Any, waiting_queue:
     st = _state
     if st is not None and len(waiting_queue) > 1:
         items = _items(waiting_queue)
-        order = st.policy.order(items)
+        order = st.policy.order(items, st.pass_budget)
         waiting_queue[:] = [waiting_queue[i] for i in order]
     return result
 
@@ -278,7 +336,7 @@ def around_get_prefill_adder_class(original: Callable[..., Any], self: Any) -> A
 # -- Req.update_finish_state -------------------------------------------------------------------------
 
 
-def _loop_finish_reason(period: int, length: int) -> Any:
+def _loop_finish_reason(period: int, length: int, retracts: int) -> Any:
     from sglang.srt.managers.schedule_batch import BaseFinishReason
 
     class FinishRepetitionLoop(BaseFinishReason):
@@ -289,9 +347,16 @@ def _loop_finish_reason(period: int, length: int) -> Any:
 
         def to_json(self) -> dict[str, Any]:
             # "stop" keeps OpenAI-compatible clients working; `reason` says why.
-            return {"type": "stop", "matched": None, "reason": LOOP_REASON, "period": period, "loop_tokens": length}
+            return {"type": "stop", "matched": None, "reason": LOOP_REASON, "period": period,
+                    "loop_tokens": length, "retracts": retracts}
 
     return FinishRepetitionLoop()
+
+
+def _forget_loop(rid: str) -> None:
+    _loop_detectors.pop(rid, None)
+    _retract_pending.pop(rid, None)
+    _loop_retracts.pop(rid, None)
 
 
 def around_update_finish_state(original: Callable[..., Any], self: Any, new_accepted_len: int = 1) -> Any:
@@ -301,9 +366,9 @@ def around_update_finish_state(original: Callable[..., Any], self: Any, new_acce
         return result
     rid = self.rid
     if self.finished():
-        _loop_detectors.pop(rid, None)
+        _forget_loop(rid)
         return result
-    if new_accepted_len <= 0:
+    if new_accepted_len <= 0 or rid in _retract_pending:
         return result
     det = _loop_detectors.get(rid)
     if det is None:
@@ -312,17 +377,128 @@ def around_update_finish_state(original: Callable[..., Any], self: Any, new_acce
     else:
         new = list(self.output_ids[-new_accepted_len:])
     found = det.extend(new)
-    if found is not None:
-        period, length = found
-        self.finished_reason = _loop_finish_reason(period, length)
-        _loop_detectors.pop(rid, None)
-        st = _state
-        if st is not None:
-            st.counters["loops_cut"] += 1
-            st.counters["loop_freed_tokens"] += len(self.origin_input_ids) + len(self.output_ids)
-            st._m_loops.inc()
-            st.publish(True)
-        logger.info("fair_sched: request %s cut: output repeats a %d-token period for %d tokens", rid, period, length)
+    if found is None:
+        return result
+    period, length = found
+    retracts = _loop_retracts.get(rid, 0)
+    st = _state
+    if cfg.loop_action == "retract" and retracts < cfg.loop_max_retracts:
+        # Marked only: the scheduler releases it before the next decode step (update_running_batch).
+        _retract_pending[rid] = (period, length)
+        logger.info("fair_sched: request %s marked for retraction: output repeats a %d-token period for %d tokens",
+                    rid, period, length)
+        return result
+    self.finished_reason = _loop_finish_reason(period, length, retracts)
+    _forget_loop(rid)
+    if st is not None:
+        st.counters["loops_cut"] += 1
+        st.counters["loop_freed_tokens"] += len(self.origin_input_ids) + len(self.output_ids)
+        st._m_loops.inc()
+        st.publish(True)
+    logger.info("fair_sched: request %s cut: output repeats a %d-token period for %d tokens (after %d retraction(s))",
+                rid, period, length, retracts)
+    return result
+
+
+# -- Scheduler.update_running_batch (loop_action=retract) ---------------------------------------------
+
+
+def around_update_running_batch(original: Callable[..., Any], self: Any, batch: Any) -> Any:
+    if _retract_pending and batch is not None and batch.reqs:
+        try:
+            _retract_loops(self, batch)
+        except Exception:  # noqa: BLE001 - a failed retraction leaves the request decoding
+            logger.exception("fair_sched: loop retraction failed; the requests keep decoding")
+            _retract_pending.clear()
+    return original(self, batch)
+
+
+def _retract_loops(scheduler: Any, batch: Any) -> None:
+    """Release the KV of marked requests and requeue them, as SGLang's `retract_decode` does for
+    memory pressure (`release_req`: free without inserting into the tree, `reset_for_retract`).
+    The request keeps its output (what the client already received); on resume it is prefilled
+    again from prompt + output at the back of the queue, and its detector starts counting afresh,
+    so a second loop is judged on `loop_min_tokens` new tokens. After `loop_max_retracts`
+    retractions the next loop finishes it: at most (loop_max_retracts + 1) loops per request."""
+    idx = [i for i, r in enumerate(batch.reqs) if r.rid in _retract_pending and not r.finished()
+           and getattr(r, "to_finish", None) is None]
+    if not idx:
+        return
+    drop = set(idx)
+    keep = [i for i in range(len(batch.reqs)) if i not in drop]
+    reqs = [batch.reqs[i] for i in idx]
+    used_before, _ = _kv_used(scheduler)
+    for i in idx:
+        batch.release_req(i, len(keep), offload_kv=False)
+    batch.filter_batch(keep_indices=keep)
+    batch.batch_is_full = False
+    freed = max(used_before - _kv_used(scheduler)[0], 0)
+    st = _state
+    for req in reqs:
+        rid = req.rid
+        _retract_pending.pop(rid, None)
+        _loop_retracts[rid] = _loop_retracts.get(rid, 0) + 1
+        det = _loop_detectors.get(rid)
+        if det is not None:
+            det.restart()
+        scheduler._add_request_to_queue(req, is_retracted=True)
+        logger.info("fair_sched: request %s retracted for a repetition loop (%d of %d) and requeued",
+                    rid, _loop_retracts[rid], runtime.config_of(PLUGIN).loop_max_retracts)
+    if st is not None:
+        st.counters["loops_retracted"] += len(reqs)
+        st.counters["loop_retract_freed_tokens"] += freed
+        st._m_retracts.inc(len(reqs))
+        st.publish(True)
+
+
+# -- LoadSnapshot.to_dict (/v1/loads, HTTP process) -----------------------------------------------------
+
+_LOAD_FIELDS = (
+    "kv_usage", "kv_high_watermark", "kv_low_watermark", "admission_paused", "watermark_pauses",
+    "watermark_resumes", "waiting_reqs", "waiting_long_reqs", "yields_to_short", "yields_to_decode",
+    "long_started", "long_finished", "loops_cut", "loops_retracted", "budget_tokens", "base_quota_tokens",
+    "quota_growth", "max_quota_tokens",
+)
+
+
+def load_section(dp_rank: int, run_dir: str | None = None) -> dict[str, float | int] | None:
+    """The router's view of one scheduler: numbers only (booleans as 0/1) so that the section is
+    valid in both /v1/loads formats; `age_s` says how old the scheduler's snapshot is."""
+    best: tuple[float, dict[str, Any]] | None = None
+    for path in glob.glob(os.path.join(run_dir or runtime.run_dir(), f"{PLUGIN}.*.json")):
+        try:
+            with open(path, encoding="utf-8") as fh:
+                record = json.load(fh)
+        except (OSError, ValueError):
+            continue
+        data = record.get("data") or {}
+        if int(data.get("dp_rank", 0)) == dp_rank and (best is None or record.get("time", 0) > best[0]):
+            best = (float(record.get("time", 0)), data)
+    if best is None:
+        return None
+    t, data = best
+    out: dict[str, float | int] = {k: int(v) if isinstance(v, bool) else v
+                                   for k in _LOAD_FIELDS if isinstance(v := data.get(k), (int, float))}
+    a = data.get("active_long") or {}
+    out["active_long"] = 1 if a else 0
+    out["active_long_remaining_tokens"] = max(int(a.get("work_tokens", 0)) - int(a.get("computed_tokens", 0)), 0)
+    out["active_long_quota_tokens"] = int(a.get("quota_tokens", 0))
+    out["active_long_yields"] = int(a.get("yields", 0))
+    out["age_s"] = round(max(time.time() - t, 0.0), 3)
+    return out
+
+
+def around_load_snapshot_to_dict(original: Callable[..., Any], self: Any, include: Any = None) -> Any:
+    result = original(self, include)
+    if include is not None and "all" not in include:
+        return result  # a filtered view: only the sections asked for
+    try:
+        section = load_section(int(result.get("dp_rank", 0)))
+    except Exception:  # noqa: BLE001 - never break SGLang's load endpoint
+        logger.exception("fair_sched: could not read the scheduler snapshot for /v1/loads")
+        section = None
+    if section is not None:
+        result[LOADS_KEY] = section
     return result
 
 
@@ -336,4 +512,6 @@ def reset_for_tests() -> None:
     global _state
     _state = None
     _loop_detectors.clear()
+    _retract_pending.clear()
+    _loop_retracts.clear()
     _adder_classes.clear()

@@ -173,3 +173,37 @@ def test_pass_planner_yields_by_detaching_the_chunked_request(env: SimpleNamespa
     out = adapter.around_get_new_batch_prefill_raw(original, sched, prefill_delayer_single_pass=None, running_batch=running_dec)
     assert out == (None, running_dec) and len(seen) == calls
     assert st.counters["yields_to_decode"] == 1
+
+
+def test_load_section_reads_the_scheduler_snapshot_for_its_dp_rank(tmp_path: Any, adapter: Any) -> None:
+    import json
+    import time
+
+    def write(pid: int, dp_rank: int, usage: float, paused: bool, at: float) -> None:
+        data = {"dp_rank": dp_rank, "kv_usage": usage, "admission_paused": paused, "waiting_long_reqs": 2,
+                "active_long": {"rid": "x", "work_tokens": 900, "computed_tokens": 300, "quota_tokens": 192, "yields": 1},
+                "waiting_long_rids": ["a", "b"]}
+        (tmp_path / f"fair_sched.{pid}.json").write_text(json.dumps({"pid": pid, "time": at, "data": data}))
+
+    now = time.time()
+    write(11, 0, 0.5, False, now - 5)
+    write(12, 0, 0.97, True, now - 1)  # newer snapshot of the same rank wins
+    write(13, 1, 0.1, False, now)
+    sec = adapter.load_section(0, str(tmp_path))
+    assert sec["kv_usage"] == 0.97 and sec["admission_paused"] == 1 and sec["waiting_long_reqs"] == 2
+    assert sec["active_long_remaining_tokens"] == 600 and sec["active_long_quota_tokens"] == 192
+    assert 0.5 <= sec["age_s"] < 30
+    assert all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in sec.values())
+    assert adapter.load_section(1, str(tmp_path))["kv_usage"] == 0.1
+    assert adapter.load_section(2, str(tmp_path)) is None
+
+
+def test_snapshot_reports_the_waiting_long_queue_and_active_quota(env: SimpleNamespace, adapter: Any) -> None:
+    st = adapter._state
+    st.sched = _FakeScheduler(env, None, [make_req(env, "L1", 900, 1.0), make_req(env, "s", 40, 2.0)])
+    st.policy.start_long("A", 2000)
+    st.policy.record_run("A", 128)
+    snap = st.snapshot()
+    assert snap["waiting_reqs"] == 2 and snap["waiting_long_reqs"] == 1 and snap["waiting_long_rids"] == ["L1"]
+    assert snap["active_long"]["rid"] == "A" and snap["active_long"]["computed_tokens"] == 128
+    assert snap["active_long"]["quota_tokens"] == 128 and snap["base_quota_tokens"] == 128

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import subprocess
 import sys
 import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -64,7 +67,7 @@ def test_fair_sched_end_to_end() -> None:
         "KLLM_FAIR_SCHED_PUBLISH_INTERVAL_S": "0.1",
     }
     with sglang_server(model, plugins=["fair_sched"], extra_args=args, env=env) as fair:
-        assert fair.grep_log(r"plugins=\[fair_sched\], hooks applied 7/7")
+        assert fair.grep_log(r"plugins=\[fair_sched\], hooks applied 9/9")
         got = {o.rid: o for o in run_jobs(fair.base_url, jobs)}
         # 1. Same tokens for every request, with the policy really in play.
         for rid, o in ref.items():
@@ -86,6 +89,17 @@ def test_fair_sched_end_to_end() -> None:
         assert snap["watermark_blocked_passes"] >= 1
         assert fair.grep_log("admission paused") and fair.grep_log("admission resumed")
 
+        # 2b. A router reads the same state from SGLang's own load endpoint, JSON and Prometheus.
+        section = fair.get_json("/v1/loads")["loads"][0]["kllm_fair_sched"]
+        assert section["watermark_pauses"] == snap["watermark_pauses"] and section["admission_paused"] in (0, 1)
+        assert section["kv_high_watermark"] == 0.2 and section["long_finished"] >= 1 and section["age_s"] >= 0
+        assert {"kv_usage", "waiting_long_reqs", "active_long_quota_tokens", "base_quota_tokens"} <= set(section)
+        assert "kllm_fair_sched" not in fair.get_json("/v1/loads?include=core")["loads"][0]
+        with urllib.request.urlopen(f"{fair.base_url}/v1/loads?format=prometheus", timeout=10) as resp:
+            prom = resp.read().decode()
+        assert re.search(r'^sglang_kllm_fair_sched_admission_paused\{dp_rank="0"\} [01]$', prom, re.M)
+        assert re.search(r'^sglang_kllm_fair_sched_watermark_pauses\{dp_rank="0"\} [1-9]', prom, re.M)
+
         # 3. A request forced into a loop (one token favoured by a huge logit bias) is cut.
         loop = fair.post_json("/generate", {
             "input_ids": list(range(100, 140)),
@@ -93,7 +107,7 @@ def test_fair_sched_end_to_end() -> None:
                                 "logit_bias": {"77": 100.0}},
         })
         reason = loop["meta_info"]["finish_reason"]
-        assert reason["reason"] == "repetition_loop" and reason["period"] == 1
+        assert reason["reason"] == "repetition_loop" and reason["period"] == 1 and reason["retracts"] == 0
         assert len(loop["output_ids"]) == 24
         snap = _wait_stats(fair, "loops_cut", 1)
         assert snap["loops_cut"] == 1
@@ -103,7 +117,53 @@ def test_fair_sched_end_to_end() -> None:
         assert _stats(fair)["kv_usage"] < 0.01
 
 
-def test_bad_option_is_a_clear_startup_error() -> None:
+def test_loop_retract_requeues_then_finishes() -> None:
+    """loop_action=retract: the looping request is retracted once (KV released, requeued), resumes,
+    loops again and is then finished with the loop reason; a request decoding beside it is unaffected."""
+    pytest.importorskip("sglang")
+    from serving import Job, run_jobs, sglang_server
+
+    from kllm_plugins.models.tiny_llama import tiny_llama_path
+
+    env = {
+        "KLLM_FAIR_SCHED_LOOP_MIN_TOKENS": "24",
+        "KLLM_FAIR_SCHED_LOOP_MAX_PERIOD": "4",
+        "KLLM_FAIR_SCHED_LOOP_ACTION": "retract",
+        "KLLM_FAIR_SCHED_LOOP_MAX_RETRACTS": "1",
+        "KLLM_FAIR_SCHED_PUBLISH_INTERVAL_S": "0.1",
+    }
+    args = ["--chunked-prefill-size", "64", "--dtype", "float32"]
+    normal = [Job("normal", 0.0, list(range(500, 530)), 60, "short")]
+    with sglang_server(str(tiny_llama_path()), plugins=["fair_sched"], extra_args=args, env=env) as fair:
+        [ref] = run_jobs(fair.base_url, normal)
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(fair.post_json, "/generate", {
+                "input_ids": list(range(100, 140)),
+                "sampling_params": {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True,
+                                    "logit_bias": {"77": 100.0}},
+            })
+            [beside] = run_jobs(fair.base_url, [Job("beside", 0.0, normal[0].input_ids, 60, "short")])
+            loop = fut.result()
+        reason = loop["meta_info"]["finish_reason"]
+        assert reason["reason"] == "repetition_loop" and reason["retracts"] == 1
+        # 24 tokens to the first verdict, a step or two until the retraction, then 24 new ones.
+        assert 48 <= len(loop["output_ids"]) <= 52 and set(loop["output_ids"]) == {77}
+        assert beside.output_ids == ref.output_ids
+        snap = _wait_stats(fair, "loops_cut", 1)
+        assert snap["loops_retracted"] == 1 and snap["loops_cut"] == 1
+        assert snap["loop_retract_freed_tokens"] >= 40 + 24  # prompt + output released at the retraction
+        assert fair.grep_log("retracted for a repetition loop")
+        fair.generate(input_ids=list(range(300, 310)), max_new_tokens=2)
+        time.sleep(0.5)
+        assert _stats(fair)["kv_usage"] < 0.01
+
+
+@pytest.mark.parametrize("flag,value,message", [
+    ("--kllm-fair-sched-kv-low-watermark", "0.99", "kv_low_watermark must be in [0, kv_high_watermark=0.95), got 0.99"),
+    ("--kllm-fair-sched-loop-action", "explode", "bad value 'explode' for --kllm-fair-sched-loop-action; valid choices: finish, retract"),
+    ("--kllm-fair-sched-loop-max-retracts", "-1", "loop_max_retracts must be >= 0, got -1"),
+])
+def test_bad_option_is_a_clear_startup_error(flag: str, value: str, message: str) -> None:
     pytest.importorskip("sglang")
     from serving import entry_point_shim
 
@@ -115,8 +175,9 @@ def test_bad_option_is_a_clear_startup_error() -> None:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (shim, env.get("PYTHONPATH", "")) if p)
     proc = subprocess.run(
         [sys.executable, "-m", "sglang.launch_server", "--model-path", str(tiny_llama_path()),
-         "--enable-plugin", "fair_sched", "--kllm-fair-sched-kv-low-watermark", "0.99", "--port", "1"],
+         "--enable-plugin", "fair_sched", f"{flag}={value}", "--port", "1"],
         env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode != 0
-    assert "kv_low_watermark must be in [0, kv_high_watermark=0.95), got 0.99" in proc.stderr
+    assert message in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr

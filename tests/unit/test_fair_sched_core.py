@@ -11,7 +11,10 @@ from kllm_plugins.plugins.fair_sched.core.quota import (
     FairPolicy,
     QuotaParams,
     WaitingItem,
+    max_stretch_bound,
     pass_bound,
+    solo_passes,
+    stretch_bound,
     yield_bound,
 )
 from kllm_plugins.plugins.fair_sched.core.simulate import simulate
@@ -199,3 +202,49 @@ def test_fair_policy_cuts_short_waits_behind_a_long_prefill() -> None:
     assert max(waits) < fcfs_wait / 3
     long_passes = fair.requests["L"].done_pass + 1
     assert long_passes <= pass_bound(4000, p)
+
+
+# -- starvation bound on a simulated clock ------------------------------------------------------------
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios(), st.floats(0.001, 0.05), st.floats(1e-5, 1e-3), st.floats(0.02, 1.0))
+def test_long_requests_finish_within_k_times_solo_latency(
+    scn: tuple[QuotaParams, list[list[tuple[str, int]]], list[bool]], base_s: float, per_token_s: float, decode_frac: float
+) -> None:
+    """Stated bound: a long request finishes within K x the solo latency of itself and the long
+    requests still unfinished ahead of it (long requests are FCFS among themselves), plus two
+    passes each (arrival mid-pass, a short first chunk). K = max stretch_bound(W). Pass costs:
+    prefill base + per token, a decode step at most one full-budget pass; adversarial arrivals."""
+    p, arrivals, decode = scn
+    full_s = base_s + per_token_s * p.budget_tokens
+
+    def cost(tokens: int, decoding: bool) -> float:
+        return base_s + per_token_s * tokens if tokens or not decoding else decode_frac * full_s
+
+    res = simulate(FairPolicy(p), arrivals, decode, max_passes=20_000, cost=cost)
+    reqs = list(res.requests.values())
+    seq = {r.rid: i for i, r in enumerate(reqs)}
+    holds_slot = {r.rid for r in reqs if r.active_pass is not None}
+    for r in reqs:
+        if r.work_tokens <= p.budget_tokens:
+            continue  # one-chunk requests: see test_no_starvation_and_no_recompute
+        assert r.done_pass is not None
+        ahead = [o for o in reqs if seq[o.rid] < seq[r.rid] and (o.rid in holds_slot or o.work_tokens > p.budget_tokens)
+                 and o.done_pass is not None and o.done_pass >= r.arrival_pass]
+        chain = ahead + [r]
+        k = max(stretch_bound(o.work_tokens, p) for o in chain)
+        solo_s = sum(solo_passes(o.work_tokens, p) * full_s for o in chain)
+        elapsed = res.pass_end_s[r.done_pass] - res.start_s(r.arrival_pass)
+        assert elapsed <= k * solo_s + 2 * len(chain) * full_s + 1e-9, (r.rid, elapsed, k, solo_s)
+
+
+def test_stretch_bound_of_the_defaults_for_the_issue_mix() -> None:
+    from kllm_plugins.plugins.fair_sched.config import FairSchedConfig
+
+    p = FairSchedConfig().quota_params(128)
+    k = max_stretch_bound(2500, 5000, p)
+    assert all(k >= stretch_bound(w, p) for w in (2500, 2501, 3000, 4999, 5000))
+    assert 1.0 < k < 8.0
+    # A solo request (nothing else arriving, nobody decoding) takes exactly its solo passes.
+    res = simulate(FairPolicy(p), [[("L", 4000)]], [False])
+    assert res.requests["L"].done_pass + 1 == solo_passes(4000, p)

@@ -64,6 +64,16 @@ def test_loop_detector_examples() -> None:
     assert one.push(3) == (1, 4)
 
 
+def test_restarted_detector_judges_only_new_tokens() -> None:
+    det = RepetitionDetector(min_loop_tokens=6, max_period=2)
+    assert det.extend([9] * 6) == (1, 6)
+    det.restart()
+    # The kept output ends in the loop, but the next verdict needs six new looping tokens.
+    assert [det.push(9) for _ in range(6)] == [None] * 5 + [(1, 6)]
+    det.restart()
+    assert det.extend([1, 2, 3, 4, 5, 6, 7]) is None
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.integers(0, 3), max_size=80), st.integers(4, 12), st.integers(1, 6))
 def test_incremental_detector_matches_reference(tokens: list[int], min_loop: int, period: int) -> None:
@@ -85,7 +95,7 @@ def test_config_defaults_and_quota_params() -> None:
 @pytest.mark.parametrize("field,value", [
     ("quota_growth", 0.5), ("long_min_share", 0.0), ("kv_high_watermark", 1.5), ("kv_low_watermark", 0.99),
     ("loop_action", "explode"), ("max_yields", -1), ("budget_tokens", 1), ("loop_min_tokens", 1),
-    ("decode_every_chunks", -2), ("publish_interval_s", 0.0),
+    ("decode_every_chunks", -2), ("publish_interval_s", 0.0), ("loop_max_retracts", -1),
 ])
 def test_config_errors_name_the_field(field: str, value: Any) -> None:
     with pytest.raises(ValueError, match=field):

@@ -7,6 +7,10 @@ from kllm_plugins.plugins.fair_sched.core.quota import (
     PassPlan,
     QuotaParams,
     WaitingItem,
+    max_stretch_bound,
+    pass_bound,
+    solo_passes,
+    stretch_bound,
     yield_bound,
 )
 from kllm_plugins.plugins.fair_sched.core.repetition import RepetitionDetector, find_loop
@@ -21,5 +25,9 @@ __all__ = [
     "WaitingItem",
     "WatermarkGate",
     "find_loop",
+    "max_stretch_bound",
+    "pass_bound",
+    "solo_passes",
+    "stretch_bound",
     "yield_bound",
 ]

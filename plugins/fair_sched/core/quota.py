@@ -137,6 +137,23 @@ def pass_bound(work_tokens: int, params: QuotaParams, first_chunk: int | None = 
     return run_passes + yield_bound(work_tokens, params) + decode_passes
 
 
+def solo_passes(work_tokens: int, params: QuotaParams) -> int:
+    """Passes the request needs alone (whole budget every pass)."""
+    return -(-work_tokens // params.budget_tokens)
+
+
+def stretch_bound(work_tokens: int, params: QuotaParams) -> float:
+    """K(W): completion time after activation over solo latency, when no pass (decode steps and
+    shared passes included) costs more than a pass that prefills a whole budget alone. For other
+    pass costs multiply by max pass cost / full-budget pass cost."""
+    return pass_bound(work_tokens, params) / solo_passes(work_tokens, params)
+
+
+def max_stretch_bound(lo: int, hi: int, params: QuotaParams) -> float:
+    """max K(W) over lo <= W <= hi (the stated bound for a workload's long prompts)."""
+    return max(stretch_bound(w, params) for w in range(max(lo, 1), hi + 1))
+
+
 @dataclass(frozen=True)
 class WaitingItem:
     """A request in the waiting queue, as the policy sees it."""
@@ -195,18 +212,19 @@ class FairPolicy:
         return work_tokens <= self.params.one_chunk_limit
 
     # -- ordering --------------------------------------------------------------------------
-    def order(self, waiting: Sequence[WaitingItem]) -> list[int]:
+    def order(self, waiting: Sequence[WaitingItem], budget: int | None = None) -> list[int]:
         """Admission order (indices into `waiting`): one-chunk requests first, oldest first.
 
         With no long request active, the oldest waiting long request is placed right after the
-        one-chunk requests that fit beside its minimum share, so it starts this pass.
+        one-chunk requests that fit beside its minimum share, so it starts this pass. `budget`:
+        this pass's budget when it is smaller than `budget_tokens` (decode rows riding along).
         """
         idx = sorted(range(len(waiting)), key=lambda i: waiting[i].seq)
         shorts = [i for i in idx if self.is_one_chunk(waiting[i].work_tokens)]
         longs = [i for i in idx if not self.is_one_chunk(waiting[i].work_tokens)]
         if self.active is not None or not longs:
             return shorts + longs
-        room = self.params.budget_tokens - self.params.min_long_tokens
+        room = self._budget(budget) - self.params.min_long_tokens
         used = 0
         cut = 0
         for i in shorts:
@@ -218,14 +236,24 @@ class FairPolicy:
         return shorts[:cut] + longs[:1] + shorts[cut:] + longs[1:]
 
     # -- per pass --------------------------------------------------------------------------
-    def plan(self, waiting: Sequence[WaitingItem], decode_running: bool) -> PassPlan:
-        """Decide this pass for the active long request (if any). A yield is committed here."""
+    def _budget(self, budget: int | None) -> int:
+        p = self.params
+        if budget is None:
+            return p.budget_tokens
+        return min(max(budget, p.min_long_tokens), p.budget_tokens)
+
+    def plan(self, waiting: Sequence[WaitingItem], decode_running: bool, budget: int | None = None) -> PassPlan:
+        """Decide this pass for the active long request (if any). A yield is committed here.
+        `budget`: this pass's budget when smaller than `budget_tokens` (decode rows riding along
+        take part of it); a yield pass gets the whole `budget_tokens` (the adapter does not mix
+        decode rows into it), so a blocked one-chunk request fits there."""
         a = self.active
         if a is None:
             return PassPlan("admit")
         p = self.params
         shorts = sorted((w for w in waiting if self.is_one_chunk(w.work_tokens)), key=lambda w: w.seq)
-        room = p.budget_tokens - p.min_long_tokens
+        pass_budget = self._budget(budget)
+        room = pass_budget - p.min_long_tokens
         reserved = 0
         fitted = 0
         for w in shorts:
@@ -254,7 +282,7 @@ class FairPolicy:
             return PassPlan("yield", yield_to="short")
         if reserved == 0:
             return PassPlan("run")
-        limit = (p.budget_tokens - reserved) // p.page_size * p.page_size
+        limit = (pass_budget - reserved) // p.page_size * p.page_size
         return PassPlan("run", long_limit=max(limit, p.page_size), reserved_tokens=reserved)
 
     # -- progress --------------------------------------------------------------------------

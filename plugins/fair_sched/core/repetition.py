@@ -65,6 +65,12 @@ class RepetitionDetector:
             del self.tokens[: n - self.max_period]
         return found
 
+    def restart(self) -> None:
+        """Forget the output seen so far: the next loop is judged on new tokens only (used after a
+        loop retraction, whose kept output still ends in the old loop)."""
+        self.tokens.clear()
+        self._runs = [0] * self.max_period
+
     def extend(self, tokens: Sequence[int]) -> tuple[int, int] | None:
         found = None
         for t in tokens:

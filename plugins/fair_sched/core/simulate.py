@@ -10,7 +10,7 @@ ends the pass (SGLang's adder breaks there too). A yield to decode prefills noth
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 from kllm_plugins.plugins.fair_sched.core.quota import FairPolicy, WaitingItem
 
@@ -39,6 +39,11 @@ class SimResult:
     yields: int
     prefilled: list[list[str]] = field(default_factory=list)
     """Requests that computed tokens in each pass (empty for a decode yield)."""
+    pass_end_s: list[float] = field(default_factory=list)
+    """Simulated clock at the end of each pass (with a `cost` model; else pass k ends at k + 1)."""
+
+    def start_s(self, k: int) -> float:
+        return self.pass_end_s[k - 1] if k > 0 else 0.0
 
 
 def simulate(
@@ -46,15 +51,20 @@ def simulate(
     arrivals: Sequence[Sequence[tuple[str, int]]],
     decode_running: Sequence[bool],
     max_passes: int = 100_000,
+    cost: Callable[[int, bool], float] | None = None,
 ) -> SimResult:
     """Run until every request is prefilled. `arrivals[k]` arrive before pass k;
-    `decode_running[k % len]` says whether decode work waits in pass k."""
+    `decode_running[k % len]` says whether decode work waits in pass k. `cost(prefilled_tokens,
+    decode)` is the duration of a pass (a decode step when decode is True and nothing was
+    prefilled; decode requests also ride along any prefill pass)."""
     p = policy.params
     reqs: dict[str, SimRequest] = {}
     waiting: list[str] = []
     seq: dict[str, int] = {}
     k = 0
     prefilled: list[list[str]] = []
+    clock: list[float] = []
+    now = 0.0
     while k < max_passes:
         ran: list[str] = []
         prefilled.append(ran)
@@ -71,6 +81,8 @@ def simulate(
         budget = p.budget_tokens
         active = policy.active
         if plan.action == "yield" and plan.yield_to == "decode":
+            now += cost(0, True) if cost else 1.0
+            clock.append(now)
             k += 1
             continue
         if active is not None and plan.action == "run":
@@ -110,6 +122,10 @@ def simulate(
                 req.active_pass = k
             else:
                 req.done_pass = k
+        tokens = p.budget_tokens - budget
+        now += (cost(tokens, decode) if tokens else cost(0, decode)) if cost else 1.0
+        clock.append(now)
         k += 1
     del prefilled[k:]
-    return SimResult(reqs, k, policy.total_yields, prefilled)
+    del clock[k:]
+    return SimResult(reqs, k, policy.total_yields, prefilled, clock)
