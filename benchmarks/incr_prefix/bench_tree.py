@@ -237,7 +237,7 @@ def main() -> None:
 
     short_points = []
     for core in cores:
-        for prompt in _sizes(args.short_prompts):
+        for prompt in (_sizes(args.short_prompts) if args.short_n > 0 and args.short_prompts else []):
             s_vals, o_vals = [], []
             for r in range(max(5, args.repeats)):
                 ms_r, mo_r = _run_short(core, 1, prompt, args.short_n)

@@ -16,6 +16,9 @@ class IncrPrefixConfig:
     """Build the kllm_incremental cache on SGLang's Python TreeCore even where the Rust one would
     be chosen: the Rust binding has no insert-from-node entry, so only the Python core gets
     tail-only inserts. Pays off for very long chunked prompts; short prompts are faster on Rust."""
+    waiting_match_memo: bool = True
+    """Answer a waiting request's per-pass prefix re-match from its previous result when that
+    provably still holds (cache-aware schedule policies; Python TreeCore)."""
     publish_interval_s: float = 0.5
     """Seconds between counter snapshots written for /kllm/stats."""
 

@@ -44,6 +44,12 @@ def kllm_declare() -> PluginSpec:
                 False,
                 "build the kllm_incremental cache on the Python TreeCore (the only one with tail-only inserts)",
             ),
+            OptionSpec(
+                "waiting_match_memo",
+                parse_bool,
+                True,
+                "skip a waiting request's per-pass re-match when its previous result provably still holds",
+            ),
             OptionSpec("publish_interval_s", float, 0.5, "seconds between counter snapshots for /kllm/stats"),
         ),
         patches=(
@@ -60,6 +66,17 @@ def kllm_declare() -> PluginSpec:
                     "an insert-from-node entry on the TreeCore interface (both Python and Rust) and "
                     "resume-from-last_node in checkpoint_into_tree"
                 ),
+            ),
+            PatchSpec(
+                target="sglang.srt.managers.schedule_policy.SchedulePolicy._compute_prefix_matches",
+                impl="kllm_plugins.plugins.incr_prefix.waiting_match_memo:around_compute_prefix_matches",
+                kind="around",
+                why=(
+                    "cache-aware policies re-match every waiting request from the root on every "
+                    "scheduler pass; marking that pass lets the kllm_incremental cache answer a "
+                    "re-match from the previous result when it provably still holds"
+                ),
+                upstream="a tree-version check in _compute_prefix_matches (skip unchanged waiting requests)",
             ),
         ),
         config_factory=IncrPrefixConfig,

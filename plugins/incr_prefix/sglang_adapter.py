@@ -11,8 +11,8 @@ method and is counted (see `core.walk_state.Reason`).
 The cache is installed through SGLang's radix-cache registry (`--radix-cache-backend
 kllm_incremental`), built by `create_unified_radix_cache(ctx, cache_class=...)` so HiCache and
 component wiring stay SGLang's. The tail walk drives the Python TreeCore's resumable insert
-(`_InsertWalkState`, `_advance_insert`); the Rust TreeCore's binding has no insert-from-node entry,
-so with it every checkpoint takes the stock path (reason `unsupported_cache`).
+(`_InsertWalkState`, `_advance_insert`). The Rust TreeCore's binding has no insert-from-node
+entry: there the walk stays whole and `rust_core_path` makes the work around it tail-only.
 """
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ from sglang.srt.mem_cache.unified_cache.unified_tree_core import (
 )
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
+from kllm_plugins.plugins.incr_prefix import rust_core_path, waiting_match_memo
 from kllm_plugins.plugins.incr_prefix.config import IncrPrefixConfig
 from kllm_plugins.plugins.incr_prefix.core.walk_state import (
     IncrCounters,
@@ -64,7 +65,10 @@ class IncrementalUnifiedRadixCache(UnifiedRadixCache):
         self.kllm_epoch = 0
         self.kllm_counters = IncrCounters()
         self.kllm_observer: Any = None
+        self._kllm_rust = False
+        self.kllm_wq_pass = False
         super().__init__(*args, **kwargs)
+        self._kllm_rust = type(self.tree_core).__name__ == "RustUnifiedTreeCore"
         self._kllm_unsupported = self._static_unsupported()
         if self._kllm_unsupported:
             logger.info("incr_prefix: tail-only inserts off for this cache: %s", self._kllm_unsupported)
@@ -75,8 +79,8 @@ class IncrementalUnifiedRadixCache(UnifiedRadixCache):
         """Features fixed at construction that the tail path does not reproduce ('' if none)."""
         if self.disable:
             return "cache disabled"
-        if type(self.tree_core) is not UnifiedTreeCore:
-            return f"TreeCore {type(self.tree_core).__name__} has no insert-from-node entry"
+        if type(self.tree_core) is not UnifiedTreeCore and not self._kllm_rust:
+            return f"TreeCore {type(self.tree_core).__name__} is not supported"
         comps = self._components_tuple
         if len(comps) != 1 or comps[0].component_type != BASE_COMPONENT_TYPE:
             return "auxiliary components (SWA/Mamba)"
@@ -108,6 +112,21 @@ class IncrementalUnifiedRadixCache(UnifiedRadixCache):
         # Nodes are rebuilt: every saved walk state must fail its epoch check.
         self.kllm_epoch = getattr(self, "kllm_epoch", 0) + 1
         super().reset()
+
+    def match_prefix(self, params: Any) -> Any:
+        # Inside a waiting-queue pass (marked by the AROUND hook on _compute_prefix_matches) the
+        # key is the request's origin + output ids: a re-match may be answered from its memo.
+        if (
+            self.kllm_wq_pass
+            and params.req is not None
+            and not self._kllm_unsupported
+            and not self._kllm_rust
+            and self.kllm_config.enabled
+            and self.kllm_config.waiting_match_memo
+            and not params.cow_mamba
+        ):
+            return waiting_match_memo.memo_match(self, params, super().match_prefix)
+        return super().match_prefix(params)
 
     def _route(self, req: Any, up_to: int, kwargs: dict[str, Any]) -> tuple[Reason | None, int | None]:
         """(None, prompt_touch) when the tail path serves this checkpoint, else (reason, None)."""
@@ -184,6 +203,9 @@ class IncrementalUnifiedRadixCache(UnifiedRadixCache):
             if self.kllm_observer is not None:
                 self.kllm_observer(counters)
             return
+        if self._kllm_rust:
+            self._checkpoint_rust(req, up_to, kwargs, t0)
+            return
         reason, prompt_touch = self._route(req, up_to, kwargs)
         if reason is None:
             start = req.kv.cache_protected_len
@@ -199,10 +221,30 @@ class IncrementalUnifiedRadixCache(UnifiedRadixCache):
         if self.kllm_observer is not None:
             self.kllm_observer(self.kllm_counters)
 
+    def _checkpoint_rust(self, req: Any, up_to: int, kwargs: dict[str, Any], t0: float) -> None:
+        """Rust TreeCore: the walk stays the binding's (whole key from the root); the key, value
+        and new-index work is done for the tail only (`rust_core_path`)."""
+        counters = self.kllm_counters
+        reason = rust_core_path.route(self, req, up_to, kwargs)
+        if reason is None:
+            start = req.kv.cache_protected_len
+            rust_core_path.checkpoint_tail(self, req, up_to)
+            counters.record_tail(req.kv.cache_protected_len - start, start)
+            counters.tail_seconds += perf_counter() - t0
+        else:
+            counters.record_full(reason)
+            super().checkpoint_into_tree(req, up_to=up_to, **kwargs)
+            rust_core_path.save_state(self, req)
+            counters.full_seconds += perf_counter() - t0
+        if self.kllm_observer is not None:
+            self.kllm_observer(counters)
+
     def on_release(self, req: Any, *, checkpointed: bool) -> None:
         # Finish, abort and retraction all release here; the state dies with the KV row.
         if getattr(req, _REQ_ATTR, None) is not None:
             setattr(req, _REQ_ATTR, None)
+        if getattr(req, rust_core_path.RUST_REQ_ATTR, None) is not None:
+            setattr(req, rust_core_path.RUST_REQ_ATTR, None)
         super().on_release(req, checkpointed=checkpointed)
 
     def _checkpoint_tail(self, req: Any, up_to: int, prompt_touch: int | None) -> None:

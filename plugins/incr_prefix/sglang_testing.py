@@ -133,8 +133,10 @@ def tree_snapshot(cache: Any) -> dict[str, Any]:
     """Everything observable about a Python-TreeCore tree, independent of node ids and of the
     process-wide access clock: per node (keyed by its token path) its value, lock count,
     priority, hit count and eviction flag, plus the nodes ordered by last access and the
-    cache's size counters."""
+    cache's size counters. For the Rust TreeCore, see `rust_tree_snapshot`."""
     tc = cache.tree_core
+    if type(tc).__name__ == "RustUnifiedTreeCore":
+        return rust_tree_snapshot(cache)
     nodes: dict[tuple[int, ...], tuple[Any, ...]] = {}
     by_time: list[tuple[float, tuple[int, ...]]] = []
     stack = [(tc.root_node, ())]
@@ -168,3 +170,49 @@ def _nodes_by_path(tc: Any) -> list[tuple[tuple[int, ...], Any]]:
             out.append((path + tuple(child.key.token_ids[: len(child.key)]), child))
         i += 1
     return out
+
+
+def rust_tree_snapshot(cache: Any) -> dict[str, Any]:
+    """What the Rust TreeCore's binding lets one observe: its own tree dump (node ids, key
+    lengths, lock counts, device residency; printed by Rust to fd 1, captured here), every
+    device value in tree order, the unlocked slots and positions, and the size counters. Two
+    caches that issued the same binding calls in the same order give equal snapshots."""
+    import os
+    import sys
+    import tempfile
+
+    binding = cache.tree_core._binding
+    sys.stdout.flush()
+    saved = os.dup(1)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 1)
+        try:
+            binding.pretty_print()
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+        tmp.seek(0)
+        dump = tmp.read().decode()
+    nodes: dict[int, tuple[Any, ...]] = {}
+    stack: list[tuple[int, int]] = []  # (indent, node id)
+    for line in dump.splitlines():
+        if not line.strip():
+            continue
+        indent = len(line) - len(line.lstrip())
+        fields = line.split()
+        node_id, key_len, rest = int(fields[0].strip("[]")), int(fields[1]), tuple(fields[2:])
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        parent = stack[-1][1] if stack else None
+        value = binding.get_component_device_value(node_id, int(ComponentType.FULL))
+        nodes[node_id] = (parent, key_len, rest, None if value is None else tuple(value.tolist()))
+        stack.append((indent, node_id))
+    walk = binding.walk_for_kv_canary(True, False)
+    return {
+        # Children are printed in hash-map order, so nodes are compared by id, not by line.
+        "nodes": nodes,
+        "unlocked_slots": sorted(walk.slot_indices.tolist()),
+        "evictable": cache.evictable_size(),
+        "protected": cache.protected_size(),
+        "free_kv": cache.token_to_kv_pool_allocator.available_size(),
+    }

@@ -37,11 +37,15 @@ class CounterExporter:
         self._m_skipped = metrics.counter(
             "kllm_incr_prefix_skipped_tokens_total", "Protected-prefix tokens the tail-only inserts did not re-walk"
         )
+        self._m_rematch = metrics.counter(
+            "kllm_incr_prefix_waiting_matches_total", "Waiting-queue prefix matches", ("route",)
+        )
         self._m_seconds = metrics.counter(
             "kllm_incr_prefix_checkpoint_seconds_total", "Wall time in chunk checkpoints", ("route",)
         )
         self._last: dict[str, Any] = {
             "tail_inserts": 0, "skipped_tokens": 0, "full_by_reason": {}, "tail_seconds": 0.0, "full_seconds": 0.0,
+            "rematch_skipped": 0, "rematch_done": 0,
         }
 
     def __call__(self, counters: IncrCounters) -> None:
@@ -73,7 +77,11 @@ class CounterExporter:
                 self._m_full.labels(reason=reason).inc(delta)
         self._m_seconds.labels(route="tail").inc(counters.tail_seconds - last["tail_seconds"])
         self._m_seconds.labels(route="full").inc(counters.full_seconds - last["full_seconds"])
+        self._m_rematch.labels(route="memo").inc(counters.rematch_skipped - last["rematch_skipped"])
+        self._m_rematch.labels(route="walk").inc(counters.rematch_done - last["rematch_done"])
         self._last = {
+            "rematch_skipped": counters.rematch_skipped,
+            "rematch_done": counters.rematch_done,
             "tail_seconds": counters.tail_seconds,
             "full_seconds": counters.full_seconds,
             "tail_inserts": counters.tail_inserts,

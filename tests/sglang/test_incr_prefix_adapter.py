@@ -89,16 +89,43 @@ def test_switches_route_every_checkpoint_to_stock(cfg: dict[str, object], reason
     assert tree_snapshot(ours.cache) == tree_snapshot(stock.cache)
 
 
-def test_rust_treecore_is_served_by_the_stock_path() -> None:
+def test_rust_treecore_checkpoints_take_the_tail_path_and_match_stock() -> None:
+    """On the Rust core the walk stays the binding's; the key, value and new-index work of every
+    checkpoint after the first is tail-only, and the tree is stock's (same binding calls)."""
+    from kllm_plugins.plugins.incr_prefix.sglang_testing import tree_snapshot
+
     stock, ours = _pair(tree_core="rust")
     assert type(ours.cache.tree_core).__name__ == "RustUnifiedTreeCore"
     tokens = list(range(1, 801))
     a, b = _prefill(stock, ours, tokens, 100)
     c = ours.cache.kllm_counters
-    assert c.tail_inserts == 0 and c.full_by_reason == {"unsupported_cache": 8}
+    assert c.tail_inserts == 7 and c.full_by_reason == {"no_state": 1}
+    assert c.skipped_tokens == sum(range(100, 800, 100))
     assert a.req.kv.cache_protected_len == b.req.kv.cache_protected_len == 800
+    assert tree_snapshot(ours.cache) == tree_snapshot(stock.cache)
+    row = slice(0, 800)
+    assert stock.pool.req_to_token[a.req.kv.req_pool_idx, row].tolist() == ours.pool.req_to_token[b.req.kv.req_pool_idx, row].tolist()
     stock.finish(a), ours.finish(b)
     assert stock.match_len(tokens) == ours.match_len(tokens) == 800
+    assert tree_snapshot(ours.cache) == tree_snapshot(stock.cache)
+
+
+def test_rust_tail_state_goes_stale_when_the_request_is_readmitted() -> None:
+    stock, ours = _pair(tree_core="rust")
+    tokens = list(range(1, 401))
+    a, b = stock.admit("r", tokens), ours.admit("r", tokens)
+    for _ in range(2):
+        assert stock.extend(a, 100) and ours.extend(b, 100)
+    stock.retract(a), ours.retract(b)
+    a, b = stock.readmit(a), ours.readmit(b)
+    while a.done < len(tokens):
+        assert stock.extend(a, 100) and ours.extend(b, 100)
+    c = ours.cache.kllm_counters
+    # The retraction dropped the state: the re-admitted request starts over with a stock walk.
+    assert c.full_by_reason.get("no_state") == 2 and c.fallbacks == 0
+    from kllm_plugins.plugins.incr_prefix.sglang_testing import tree_snapshot
+
+    assert tree_snapshot(ours.cache) == tree_snapshot(stock.cache)
 
 
 def test_page_size_16_tail_inserts_keep_page_alignment() -> None:

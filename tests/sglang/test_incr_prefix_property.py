@@ -17,18 +17,23 @@ MAX_REQS = 6
 MAX_CTX = 400
 
 
-def _pair(page_size: int):  # type: ignore[no-untyped-def]
+def _pair(page_size: int, tree_core: str = "python"):  # type: ignore[no-untyped-def]
     from kllm_plugins.plugins.incr_prefix.config import IncrPrefixConfig
     from kllm_plugins.plugins.incr_prefix.sglang_adapter import build_cpu_cache
     from kllm_plugins.plugins.incr_prefix.sglang_testing import CacheDriver
 
-    stock = CacheDriver(*build_cpu_cache(page_size=page_size, kv_size=KV_SIZE, max_context_len=MAX_CTX, max_num_reqs=MAX_REQS))
+    stock = CacheDriver(
+        *build_cpu_cache(
+            page_size=page_size, kv_size=KV_SIZE, max_context_len=MAX_CTX, max_num_reqs=MAX_REQS, tree_core=tree_core
+        )
+    )
     ours = CacheDriver(
         *build_cpu_cache(
             page_size=page_size,
             kv_size=KV_SIZE,
             max_context_len=MAX_CTX,
             max_num_reqs=MAX_REQS,
+            tree_core=tree_core,
             incremental=True,
             config=IncrPrefixConfig(),
         )
@@ -59,11 +64,11 @@ scenario = st.tuples(
 ).map(lambda t: t[0] + t[1])
 
 
-def _run(page_size: int, ops: list[tuple]) -> tuple[object, object]:
+def _run(page_size: int, ops: list[tuple], tree_core: str = "python") -> tuple[object, object]:
     from kllm_plugins.plugins.incr_prefix.sglang_testing import tree_snapshot
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
-    stock, ours = _pair(page_size)
+    stock, ours = _pair(page_size, tree_core)
     running: list[tuple[object, object]] = []  # (stock Running, ours Running)
     retracted: list[tuple[object, object]] = []
     n = 0
@@ -123,19 +128,21 @@ def _run(page_size: int, ops: list[tuple]) -> tuple[object, object]:
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@pytest.mark.parametrize("tree_core", ["python", "rust"])
+@settings(max_examples=int(__import__("os").environ.get("KLLM_HYPO_EXAMPLES", "30")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=scenario)
-def test_incremental_cache_matches_stock(page_size: int, ops: list[tuple]) -> None:
-    _run(page_size, ops)
+def test_incremental_cache_matches_stock(tree_core: str, page_size: int, ops: list[tuple]) -> None:
+    _run(page_size, ops, tree_core)
 
 
-def test_long_chunked_prompt_uses_tail_inserts_and_matches_stock() -> None:
+@pytest.mark.parametrize("tree_core", ["python", "rust"])
+def test_long_chunked_prompt_uses_tail_inserts_and_matches_stock(tree_core: str) -> None:
     """A deterministic scenario: two requests sharing half a prompt, prefilled in interleaved
     chunks (each splits the other's nodes), then decode and finish with output tokens."""
     ops: list[tuple] = [("admit", 0, 300, 0, 1), ("admit", 0, 150, 80, 2)]
     ops += [("chunk", 0, 32), ("chunk", 1, 24)] * 12
     ops += [("decode", 0, 3), ("finish", 0), ("evict", 50), ("decode", 0, 2), ("finish", 0)]
-    stock, ours = _run(1, ops)
+    stock, ours = _run(1, ops, tree_core)
     counters = ours.kllm_counters
     assert counters.tail_inserts >= 18
     assert counters.skipped_tokens > 0

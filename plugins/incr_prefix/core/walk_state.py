@@ -39,6 +39,9 @@ class Reason(str, Enum):
     prompt-boundary split is needed."""
     ROTATION = "rotation"
     """KV-rotation bases are in use; the stock insert checks them from the root."""
+    FINISH = "finish"
+    """Rust TreeCore only: the finishing checkpoint (once per request) stays stock; it also
+    splits at the prompt boundary."""
 
 
 @dataclass(frozen=True)
@@ -129,6 +132,10 @@ class IncrCounters:
     """Wall time spent in tail-only checkpoints."""
     full_seconds: float = 0.0
     """Wall time spent in stock-path checkpoints (the first one of each request included)."""
+    rematch_skipped: int = 0
+    """Waiting-queue re-matches answered from the previous result (it provably still held)."""
+    rematch_done: int = 0
+    """Waiting-queue matches that walked the tree (first match, or the result could have changed)."""
 
     def record_tail(self, new_tokens: int, skipped: int) -> None:
         self.tail_inserts += 1
