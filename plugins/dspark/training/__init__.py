@@ -1,0 +1,1 @@
+"""Layer: plugin tooling (no SGLang import). Drafter training for DSpark: data, trainer, checkpoint export."""

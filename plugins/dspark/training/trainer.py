@@ -1,0 +1,188 @@
+"""Layer: plugin tooling (no SGLang import). Training loop shared by the three drafters.
+
+Each step draws sequences (prompt + the target's answer), runs the frozen target over them for
+the features at `target_layer_ids`, and trains the drafter on the answer part:
+- block drafters (dspark, dflash): `anchors_per_seq` random anchors per sequence; loss =
+  sum_k w_k CE(step k logits, target token), w_k = exp(-k / decay) (position decay as in
+  DFlash/DeepSpec); DSpark's steps are teacher-forced through the Markov head;
+- eagle: the same CE over every answer position and unrolled step (training-time test).
+Confidence heads learn BCE against "the draft equals the target token" on detached features.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kllm_plugins.plugins.dspark.core.drafters import BlockDrafter, EagleDrafter, SharedTarget
+from kllm_plugins.plugins.dspark.core.target_llama import LlamaTarget
+from kllm_plugins.plugins.dspark.training.data import pad_batch
+
+logger = logging.getLogger("kllm.dspark")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 1000
+    batch_size: int = 16
+    anchors_per_seq: int = 32
+    lr: float = 1e-3
+    warmup: int = 50
+    weight_decay: float = 0.0
+    decay: float = 4.0
+    confidence_weight: float = 1.0
+    seed: int = 0
+    log_every: int = 50
+    time_limit_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.batch_size < 1 or self.anchors_per_seq < 1:
+            raise ValueError("steps, batch_size and anchors_per_seq must be >= 1")
+
+
+def _autocast(device: torch.device):
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return torch.autocast("cpu", enabled=False)
+
+
+def sample_anchors(plen: torch.Tensor, lens: torch.Tensor, gamma: int, n: int, gen: torch.Generator) -> torch.Tensor:
+    """n anchors per row, uniform in [plen, len - 1 - gamma] (rows must have room for one block)."""
+    lo = plen.float()
+    hi = (lens - 1 - gamma).float()
+    u = torch.rand((plen.shape[0], n), generator=gen).to(plen.device)
+    return (lo.unsqueeze(1) + u * (hi - lo + 1).unsqueeze(1)).floor().long().clamp(max=(lens - 1 - gamma).unsqueeze(1))
+
+
+def block_losses(out: dict[str, torch.Tensor], decay: float) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    logits, labels, conf = out["logits"], out["labels"], out["confidence"]
+    g = labels.shape[-1]
+    w = torch.exp(-torch.arange(g, device=labels.device, dtype=torch.float32) / decay)
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none").view(labels.shape)
+    ce_loss = (ce * w).sum() / (w.sum() * labels[..., 0].numel())
+    hit = (logits.argmax(-1) == labels).float()
+    conf_loss = F.binary_cross_entropy_with_logits(conf, hit)
+    return ce_loss, conf_loss, {"acc_k1": float(hit[..., 0].mean()), "acc_mean": float(hit.mean())}
+
+
+def eagle_losses(shared: SharedTarget, out: dict[str, torch.Tensor], decay: float) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    hidden, labels, mask, conf = out["hidden"], out["labels"], out["mask"], out["confidence"]
+    g = labels.shape[1]
+    w = torch.exp(-torch.arange(g, device=labels.device, dtype=torch.float32) / decay).view(1, g, 1).expand_as(mask)
+    sel_h, sel_y, sel_w = hidden[mask], labels[mask], w[mask]
+    logits = shared.logits(sel_h)
+    ce = F.cross_entropy(logits, sel_y, reduction="none")
+    ce_loss = (ce * sel_w).sum() / sel_w.sum().clamp_min(1e-6)
+    hit = (logits.argmax(-1) == sel_y).float()
+    conf_loss = F.binary_cross_entropy_with_logits(conf[mask], hit)
+    step1 = mask[:, 0]
+    acc1 = float(hit[: int(step1.sum())].mean()) if int(step1.sum()) else 0.0
+    return ce_loss, conf_loss, {"acc_k1": acc1, "acc_mean": float(hit.mean())}
+
+
+def drafter_step(target: LlamaTarget, shared: SharedTarget, drafter: nn.Module, seqs: Sequence[tuple[list[int], int]],
+                 cfg: TrainConfig, layers: Sequence[int], gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    dev = target.device
+    tokens, plen, lens = pad_batch(seqs, 0, dev)
+    _, feats = target.full_forward(tokens, capture_layers=layers, want_logits=False)
+    with _autocast(dev):
+        if isinstance(drafter, EagleDrafter):
+            out = drafter.train_forward(shared, feats, tokens, plen, lens - 1)
+            return eagle_losses(shared, out, cfg.decay)
+        assert isinstance(drafter, BlockDrafter)
+        anchors = sample_anchors(plen, lens, drafter.gamma, cfg.anchors_per_seq, gen)
+        out = drafter.train_forward(shared, feats, tokens, anchors)
+        return block_losses(out, cfg.decay)
+
+
+def train_drafter(target: LlamaTarget, drafter: nn.Module, seqs: Sequence[tuple[list[int], int]], cfg: TrainConfig) -> list[dict[str, float]]:
+    """Train in place; returns the logged history. Sequences need >= gamma + 1 answer tokens."""
+    gamma = drafter.cfg.block_size  # type: ignore[attr-defined]
+    layers = list(drafter.cfg.target_layer_ids)  # type: ignore[attr-defined]
+    usable = [s for s in seqs if len(s[0]) - s[1] >= gamma + 1]
+    if not usable:
+        raise ValueError("no training sequence has an answer longer than the block")
+    shared = SharedTarget(target.embed, target.lm_head)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * min(s, cfg.steps) / cfg.steps)))
+    rng = random.Random(cfg.seed)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    history: list[dict[str, float]] = []
+    t0 = time.perf_counter()
+    drafter.train()
+    for step in range(cfg.steps):
+        batch = [usable[rng.randrange(len(usable))] for _ in range(cfg.batch_size)]
+        ce, conf, info = drafter_step(target, shared, drafter, batch, cfg, layers, gen)
+        loss = ce + cfg.confidence_weight * conf
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        if step % cfg.log_every == 0 or step == cfg.steps - 1:
+            rec = {"step": step, "ce": float(ce.detach()), "conf_bce": float(conf.detach()), "seconds": time.perf_counter() - t0, **info}
+            history.append(rec)
+            logger.info("train %s step %d ce %.3f acc@1 %.3f acc %.3f", drafter.cfg.kind, step, rec["ce"],  # type: ignore[attr-defined]
+                        rec["acc_k1"], rec["acc_mean"])
+        if cfg.time_limit_s and time.perf_counter() - t0 > cfg.time_limit_s:
+            logger.info("train: time limit reached at step %d", step)
+            history.append({"step": step, "stopped_by_time_limit": 1.0, "seconds": time.perf_counter() - t0})
+            break
+    drafter.eval()
+    return history
+
+
+@torch.no_grad()
+def teacher_forced_confidence(target: LlamaTarget, drafter: nn.Module, seqs: Sequence[tuple[list[int], int]],
+                              anchors_per_seq: int = 16, batch_size: int = 16, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Raw confidence logits, outcomes (draft == target token) and validity, [N, gamma], for calibration.
+
+    With teacher forcing the outcome at step k is exactly "accepted given steps < k accepted".
+    For eagle, rows are chains (one per anchor) and validity masks steps past the answer end.
+    """
+    gamma = drafter.cfg.block_size  # type: ignore[attr-defined]
+    layers = list(drafter.cfg.target_layer_ids)  # type: ignore[attr-defined]
+    shared = SharedTarget(target.embed, target.lm_head)
+    usable = [s for s in seqs if len(s[0]) - s[1] >= gamma + 1]
+    gen = torch.Generator().manual_seed(seed)
+    logits_all, hit_all, valid_all = [], [], []
+    for lo in range(0, len(usable), batch_size):
+        tokens, plen, lens = pad_batch(usable[lo:lo + batch_size], 0, target.device)
+        _, feats = target.full_forward(tokens, capture_layers=layers, want_logits=False)
+        with _autocast(target.device):
+            if isinstance(drafter, EagleDrafter):
+                out = drafter.train_forward(shared, feats, tokens, plen, lens - 1)
+                hit = (shared.logits(out["hidden"]).argmax(-1) == out["labels"])
+                # [B,g,T] -> chains [B*T, g]: step j of the chain anchored at a sits at p = a + j - 2
+                b, g, t = hit.shape
+                conf = torch.full((b, t, g), 0.0, device=hit.device)
+                h2 = torch.zeros((b, t, g), dtype=torch.bool, device=hit.device)
+                v2 = torch.zeros((b, t, g), dtype=torch.bool, device=hit.device)
+                for j in range(1, g + 1):
+                    a = torch.arange(t, device=hit.device)
+                    p = a + j - 2
+                    ok = (p >= 0) & (p < t)
+                    conf[:, ok, j - 1] = out["confidence"][:, j - 1, p[ok]].float()
+                    h2[:, ok, j - 1] = hit[:, j - 1, p[ok]]
+                    v2[:, ok, j - 1] = out["mask"][:, j - 1, p[ok]]
+                keep = v2[..., 0]
+                logits_all.append(conf[keep].cpu())
+                hit_all.append(h2[keep].cpu())
+                valid_all.append(v2[keep].cpu())
+            else:
+                anchors = sample_anchors(plen, lens, gamma, anchors_per_seq, gen)
+                out = drafter.train_forward(shared, feats, tokens, anchors)
+                hit = out["logits"].argmax(-1) == out["labels"]
+                logits_all.append(out["confidence"].float().reshape(-1, gamma).cpu())
+                hit_all.append(hit.reshape(-1, gamma).cpu())
+                valid_all.append(torch.ones_like(hit.reshape(-1, gamma)).cpu())
+    return torch.cat(logits_all), torch.cat(hit_all).float(), torch.cat(valid_all).bool()
