@@ -1,7 +1,8 @@
 """End to end: kllm-router in front of real SGLang servers on the CPU platform.
 
-Plain mode: two ordinary servers, prefix-affinity routing, streaming, and one server killed
-in the middle of streams. PD mode: a prefill and a decode server paired by the router over
+Plain mode: two ordinary servers publishing KV events (ZMQ), affinity routing on those events,
+the router's block index checked against them, streaming, and one server killed in the middle
+of streams. PD mode: a prefill and a decode server paired by the router over
 SGLang's bootstrap protocol with the Mooncake transfer engine on TCP; the decode side's greedy
 output must equal the reference model's, which only holds if the KV really crossed over.
 """
@@ -21,6 +22,7 @@ import pytest
 
 from kllm_plugins.plugins.bigpd_router.config import RouterConfig
 from kllm_plugins.plugins.bigpd_router.core.registry import Role
+from kllm_plugins.plugins.bigpd_router.core.request_shape import parse
 from kllm_plugins.plugins.bigpd_router.service.router import Router
 from kllm_plugins.testing.sglang_server import SGLangServer
 
@@ -49,8 +51,11 @@ def start_pair(servers: list[SGLangServer]) -> None:
 
 
 @contextlib.asynccontextmanager
-async def running_router(cfg: RouterConfig, instances: list[tuple[str, Role | None]]) -> AsyncIterator[str]:
+async def running_router(cfg: RouterConfig, instances: list[tuple[str, Role | None]],
+                         out: list[Router] | None = None) -> AsyncIterator[str]:
     router = Router(cfg)
+    if out is not None:
+        out.append(router)
     async with router.serving(shutdown_timeout_s=5) as url:
         for inst, role in instances:
             await router.add_instance(inst, role)
@@ -64,7 +69,12 @@ async def post(s: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tupl
 
 @pytest.fixture
 def plain_pair(tiny_model_path: Path) -> Iterator[list[SGLangServer]]:
-    servers = [SGLangServer(tiny_model_path, max_total_tokens=4096) for _ in range(2)]
+    """Two plain servers that publish their KV events over ZMQ (--kv-events-config)."""
+    from kllm_plugins.testing.sglang_server import free_port
+
+    servers = [SGLangServer(tiny_model_path, max_total_tokens=4096, extra_args=[
+        "--kv-events-config", json.dumps({"publisher": "zmq", "endpoint": f"tcp://*:{free_port()}", "topic": ""})])
+        for _ in range(2)]
     start_pair(servers)
     try:
         yield servers
@@ -78,10 +88,21 @@ def test_plain_mode_affinity_streaming_and_a_killed_instance(plain_pair: list[SG
     cfg = RouterConfig(health_interval_s=0.5, health_failures=2, loads_interval_s=0.5, first_token_timeout_s=30,
                        max_retries=1)
 
+    routers: list[Router] = []
+
     async def go() -> None:
-        async with running_router(cfg, [(a.base_url, None), (b.base_url, None)]) as rurl, \
+        async with running_router(cfg, [(a.base_url, None), (b.base_url, None)], routers) as rurl, \
                 aiohttp.ClientSession() as s:
-            # 1. affinity: each prefix family stays on one instance and hits SGLang's radix cache
+            router = routers[0]
+            lookups_before = router.metrics.kv_lookups._value.get()
+            # 0. both instances describe their KV-event publishers: the router subscribes and loads
+            # the tokenizer they report, so text prompts can be looked up in the block index
+            assert all(i.kv_events for i in router.registry)
+            assert router.kv_feed.tokenizer_loading is not None
+            await asyncio.wait_for(router.kv_feed.tokenizer_loading, 120)  # slow on a busy 2-core machine
+            assert router.kv_feed.has_tokenizer
+            # 1. affinity (from KV events once they arrive): each prefix family stays on one
+            # instance and hits SGLang's radix cache
             families = [f"You are assistant number {k}. " * 12 for k in range(4)]
             where: dict[int, set[str]] = {k: set() for k in range(4)}
             cached = 0
@@ -96,6 +117,20 @@ def test_plain_mode_affinity_streaming_and_a_killed_instance(plain_pair: list[SG
             assert all(len(v) == 1 for v in where.values()), where
             assert len(set().union(*where.values())) == 2  # both instances were used
             assert cached > 8 * 40  # repeats were served mostly from the prefix cache
+            # the block index, fed only by the servers' events, agrees with where the families went:
+            # the router's token chain of a prompt equals the chain in SGLang's BlockStored events
+            kv = router.kv_index.summary()
+            assert all(kv[u]["blocks"] > 0 for u in (a.base_url, b.base_url)), kv
+            for k, pre in enumerate(families):
+                [home] = where[k]
+                other = b.base_url if home == a.base_url else a.base_url
+                ids = router.kv_feed.token_ids(parse("generate", json.dumps({"text": pre + "Question 0?"}).encode()))
+                assert ids is not None
+                got = router.kv_index.match(ids, [home, other])
+                assert got[home] > 0.9 and got[other] < 0.5, (k, got)
+            fresh = router.kv_feed.token_ids(parse("generate", b'{"text": "Nothing like any family above, at all."}'))
+            assert fresh is not None and max(router.kv_index.match(fresh, [a.base_url, b.base_url]).values()) == 0
+            assert router.metrics.kv_lookups._value.get() > lookups_before  # choices were made on the index
 
             # 2. OpenAI streaming through the router
             st, body, _ = await post(s, rurl + "/v1/chat/completions", {

@@ -44,6 +44,8 @@ class KvEventFeed:
         self.tokenizer_path = tokenizer_path
         self._tokenizer: Any = None
         self._tokenizer_tried = False
+        self.tokenizer_loading: asyncio.Future[None] | None = None
+        """Set while (and after) the tokenizer loads in a worker thread; awaitable."""
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._ctx: Any = None
 
@@ -66,7 +68,7 @@ class KvEventFeed:
             self.tokenizer_path = inst.tokenizer_path
         if self.tokenizer_path and not self._tokenizer_tried:
             self._tokenizer_tried = True
-            asyncio.get_running_loop().run_in_executor(None, self._load_tokenizer)
+            self.tokenizer_loading = asyncio.get_running_loop().run_in_executor(None, self._load_tokenizer)
         log.info("subscribed to KV events url=%s endpoints=%s", inst.url, endpoints)
 
     def unsubscribe(self, url: str) -> None:
@@ -128,6 +130,10 @@ class KvEventFeed:
             log.info("tokenizer for KV-event lookups: %s", self.tokenizer_path)
         except Exception as exc:  # noqa: BLE001 - any failure means "no tokenizer": fall back to the tree
             log.warning("cannot load tokenizer %s (%s): text prompts use the prefix tree", self.tokenizer_path, exc)
+
+    @property
+    def has_tokenizer(self) -> bool:
+        return self._tokenizer is not None
 
     def token_ids(self, shape: RequestShape) -> Sequence[int] | None:
         """The prompt as the instances will tokenize it, or None when that is not known here."""
