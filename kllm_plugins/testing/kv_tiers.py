@@ -1,0 +1,111 @@
+"""Layer: test tooling for the kv_tiers plugin (no SGLang import): a Mooncake master started and
+stopped by the caller, HiCache flags for each L3 backend, and a cache flush that waits out
+in-flight storage operations. Used by tests/sglang/test_kv_tiers_* and benchmarks/kv_tiers/."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+from kllm_plugins.testing.sglang_server import free_port
+
+FILE_ADAPTER = "kllm_plugins.plugins.kv_tiers.sglang_adapter"
+MOONCAKE_ADAPTER = "kllm_plugins.plugins.kv_tiers.sglang_mooncake"
+# an explicit --hicache-ratio: SGLang's automatic host sizing refuses to start when the shared
+# machine has less than 10 GiB free, though the tiny model needs a few MiB
+HICACHE_ARGS = ["--enable-hierarchical-cache", "--hicache-io-backend", "direct", "--hicache-write-policy",
+                "write_through", "--hicache-ratio", "2"]
+LAYER_FIRST = ["--hicache-mem-layout", "layer_first"]
+# Mooncake's zero-copy path needs a page's K (and V) contiguous in the host pool (MHA models)
+PAGE_FIRST = ["--hicache-mem-layout", "page_first_direct"]
+
+
+def mooncake_available() -> bool:
+    try:
+        import mooncake.store  # noqa: F401
+    except ImportError:
+        return False
+    return shutil.which("mooncake_master") is not None
+
+
+@contextmanager
+def mooncake_master(*flags: str) -> Iterator[dict[str, Any]]:
+    """A `mooncake_master` (non-CUDA build, TCP, HTTP metadata server) on free ports."""
+    rpc, http = free_port(), free_port()
+    log = tempfile.NamedTemporaryFile(prefix="mooncake-master-", suffix=".log", delete=False)
+    proc = subprocess.Popen(["mooncake_master", f"-rpc_port={rpc}", "-enable_http_metadata_server=true",
+                             f"-http_metadata_server_port={http}", *flags],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", rpc), timeout=1).close()
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"mooncake_master did not start (log {log.name})")
+            time.sleep(0.2)
+    try:
+        yield {"rpc": rpc, "http": http, "proc": proc, "log": log.name}
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=20)
+
+
+def mooncake_extra(master: dict[str, Any], segment_bytes: int = 256 << 20) -> dict[str, Any]:
+    """Mooncake client keys of the HiCache extra config for a master from `mooncake_master`."""
+    return {"master_server_address": f"127.0.0.1:{master['rpc']}",
+            "metadata_server": f"http://127.0.0.1:{master['http']}/metadata", "protocol": "tcp",
+            "device_name": "", "global_segment_size": segment_bytes, "local_hostname": "127.0.0.1"}
+
+
+def l3_args(backend: str, master: dict[str, Any] | None = None, **extra: Any) -> list[str]:
+    """HiCache flags for an L3 backend: "kllm_file", "kllm_mooncake" (the plugin's), "file" or
+    "mooncake" (SGLang's own)."""
+    if backend == "kllm_file":
+        cfg = {"backend_name": "kllm_file", "module_path": FILE_ADAPTER, "class_name": "KllmFileStorage", **extra}
+        return HICACHE_ARGS + LAYER_FIRST + ["--hicache-storage-backend", "dynamic",
+                                             "--hicache-storage-backend-extra-config", json.dumps(cfg)]
+    if backend == "kllm_mooncake":
+        assert master is not None
+        cfg = {"backend_name": "kllm_mooncake", "module_path": MOONCAKE_ADAPTER, "class_name": "KllmMooncakeStorage",
+               "interface_v1": 1, **mooncake_extra(master), **extra}
+        return HICACHE_ARGS + PAGE_FIRST + ["--hicache-storage-backend", "dynamic",
+                                            "--hicache-storage-backend-extra-config", json.dumps(cfg)]
+    if backend == "mooncake":
+        assert master is not None
+        return HICACHE_ARGS + PAGE_FIRST + ["--hicache-storage-backend", "mooncake",
+                                            "--hicache-storage-backend-extra-config",
+                                            json.dumps({**mooncake_extra(master), **extra})]
+    if backend == "file":
+        return HICACHE_ARGS + LAYER_FIRST + ["--hicache-storage-backend", "file"]
+    raise ValueError(f"unknown L3 backend {backend!r}")
+
+
+def flush(base_url: str, timeout_s: float = 60.0) -> None:
+    """Flush L1 and L2 of a server; SGLang answers 400 while storage operations are in flight."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"{base_url}/flush_cache", data=b"", timeout=60):
+                return
+        except urllib.error.HTTPError as exc:
+            if exc.code != 400 or time.monotonic() > deadline:
+                raise
+            time.sleep(1.0)
+
+
+def kv_tiers_stats(server: Any) -> dict[str, Any]:
+    """The kv_tiers snapshot of a one-process server from GET /kllm/stats ({} if none yet)."""
+    procs = server.get_json("/kllm/stats").get("kv_tiers", {}).get("processes", {})
+    return next(iter(procs.values()), {})
