@@ -259,7 +259,11 @@ class KllmFileStorage(HiCacheStorage):
         if self.store is None or values is None:
             return False
         fill = self.store.used_bytes / self.store.capacity_bytes
-        adm = self.t.persistence.admit(list(keys), fill, self.t.write_busy.fraction())
+        keys = list(keys)
+        if self.t.persistence.min_reuse > 1:
+            fresh = [k for k in keys if not self.t.persistence.counter.count(k)]
+            self.t.persistence.note_remote_sightings(fresh, self.store.note_offered(fresh))
+        adm = self.t.persistence.admit(keys, fill, self.t.write_busy.fraction())
         skipped = len(keys) - adm.admitted
         if skipped:
             # Not an error: HiCache would log a failed write. The page simply stays out of L3.
@@ -274,6 +278,8 @@ class KllmFileStorage(HiCacheStorage):
                 break
             self.t.count("pages_admitted")
             self.t._m_pages.labels("written").inc()
+            if self.t.persistence.min_reuse > 1:
+                self.store.forget_offered(key)
         self._fault_metrics(before)
         return ok
 

@@ -235,3 +235,19 @@ def test_every_patch_target_resolves_against_installed_sglang() -> None:
     for patch in spec.patches:
         assert resolve_target(patch.target) is not None, patch.target
         assert callable(resolve_impl(patch.impl)), patch.impl
+
+
+def test_second_sighting_may_happen_on_another_instance(backend_factory, tmp_path) -> None:
+    from kllm_plugins.plugins.kv_tiers import sglang_adapter
+
+    a = backend_factory(min_reuse=2)
+    keys, pages = _keys(3, "s"), _pages(3, 5)
+    assert a.batch_set(keys, pages) and a.batch_exists(keys) == 0  # A's first sighting: skipped
+    a_tiers = sglang_adapter._tiers
+    b = backend_factory(min_reuse=2)  # another instance (fresh per-process state), same folder
+    assert sglang_adapter._tiers is not a_tiers
+    assert b.batch_set(keys, pages)  # B's first, the page's second sighting: written
+    assert b.batch_exists(keys) == 3 and b.t.counts["pages_admitted"] == 3
+    assert not os.listdir(os.path.join(b.store.folder, ".seen"))  # markers of written pages are gone
+    other = _keys(2, "t")
+    assert b.batch_set(other, _pages(2, 6)) and b.batch_exists(other) == 0  # unseen elsewhere: skipped

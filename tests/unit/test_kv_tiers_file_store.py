@@ -234,6 +234,8 @@ class StoreMachine(RuleBasedStateMachine):
             return
         path = self.store.path_of(key)
         raw = bytearray(open(path, "rb").read())
+        if not raw:  # already truncated to nothing
+            return
         if how == "flip":
             raw[pos % len(raw)] ^= 0x5A
         elif how == "truncate":

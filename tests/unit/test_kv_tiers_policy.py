@@ -180,3 +180,24 @@ def test_prefetch_gate_bounds_work_in_flight() -> None:
     assert g.decide(5000, 100, 0, 0).admit  # an idle gate takes one oversized prefetch
     with pytest.raises(ValueError, match="max_inflight_ops"):
         PrefetchGate(0, 10)
+
+
+def test_remote_sightings_count_once_for_pages_unseen_here() -> None:
+    p = PersistencePolicy(min_reuse=2)
+    p.admit(["mine"], 0.0, 0.0)
+    p.note_remote_sightings(["mine", "theirs", "nobody"], [True, True, False])
+    assert p.counter.count("mine") == 1  # this instance's own marker is no second sighting
+    assert p.admit(["theirs", "nobody"], 0.0, 0.0).admitted == 1
+
+
+def test_offer_markers_are_shared_through_the_folder(tmp_path) -> None:
+    from kllm_plugins.plugins.kv_tiers.core.file_store import FilePageStore
+
+    a = FilePageStore(str(tmp_path), "ns", 1 << 20)
+    b = FilePageStore(str(tmp_path), "ns", 1 << 20)
+    assert a.note_offered(["k1", "k/2"]) == [False, False]
+    assert b.note_offered(["k1", "k/2", "k3"]) == [True, True, False]
+    b.forget_offered("k1")
+    assert a.note_offered(["k1"]) == [False]
+    other_ns = FilePageStore(str(tmp_path), "other", 1 << 20)
+    assert other_ns.note_offered(["k3"]) == [False]

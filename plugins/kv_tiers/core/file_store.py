@@ -322,6 +322,41 @@ class FilePageStore:
     def remove(self, key: str) -> None:
         self._forget(key, delete=True)
 
+    # -- sightings shared by the instances of one folder ---------------------------------------
+
+    def note_offered(self, keys: list[str]) -> list[bool]:
+        """For each key: whether some instance sharing this folder offered the page before (a
+        zero-byte marker under `.seen/`); marks those not offered yet. Lets selective persistence
+        count a page's second sighting when it happens on another instance. A marker is removed
+        when its page is written; markers of pages never reused stay (an inode each, no data)."""
+        if not self.shared:
+            return [False] * len(keys)
+        seen_dir = os.path.join(self.folder, ".seen")
+        out = []
+        for key in keys:
+            path = os.path.join(seen_dir, os.path.basename(self.path_of(key)))
+            for attempt in (0, 1):
+                try:
+                    os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+                    out.append(False)
+                except FileExistsError:
+                    out.append(True)
+                except FileNotFoundError:
+                    if attempt == 0:
+                        try:
+                            os.makedirs(seen_dir, exist_ok=True)
+                            continue
+                        except OSError:
+                            pass
+                    out.append(False)
+                except OSError:
+                    out.append(False)
+                break
+        return out
+
+    def forget_offered(self, key: str) -> None:
+        _unlink(os.path.join(self.folder, ".seen", os.path.basename(self.path_of(key))))
+
     def clear(self) -> None:
         for key in self.keys():
             self._forget(key, delete=True)

@@ -124,6 +124,13 @@ class PersistencePolicy:
             if self.counter.count(key):
                 self.counter.see(key)
 
+    def note_remote_sightings(self, keys: list[str], seen_elsewhere: list[bool]) -> None:
+        """Pages another instance sharing the store offered before (and this one never saw): a
+        sighting each, so that a page seen once on each of two instances is a second sighting."""
+        for key, seen in zip(keys, seen_elsewhere):
+            if seen and not self.counter.count(key):
+                self.counter.see(key)
+
     def admit(self, keys: list[str], fill: float, busy: float) -> Admission:
         """Record a write attempt of `keys` (a sighting each) and return the leading run to write."""
         t = self.threshold(fill, busy)
