@@ -76,7 +76,7 @@ def trace(seed: int, duration: float) -> list[Req]:
 
 
 def simulate(reqs: list[Req], setup: str, groups: int, start_delay: float, policy: ScalePolicy,
-             initial: int = 2) -> dict[str, Any]:
+             initial: int = 2, interval: float = 5.0) -> dict[str, Any]:
     insts: list[Inst] = []
     if setup == "fixed":
         for g in range(groups):
@@ -128,7 +128,7 @@ def simulate(reqs: list[Req], setup: str, groups: int, start_delay: float, polic
                             i.batch.remove(r)
         inst_seconds += DT * len(insts)  # starting instances cost too
         if setup == "pools" and now >= next_ctl:
-            next_ctl = now + 5.0
+            next_ctl = now + interval
             for role in (Role.PREFILL, Role.DECODE):
                 members = [i for i in insts if i.role is role and not i.draining]
                 q = ttft_recent[Role.PREFILL]
@@ -170,11 +170,22 @@ def main() -> None:
     ap.add_argument("--groups", type=int, nargs="+", default=[2, 3, 4])
     ap.add_argument("--duration-s", type=float, default=900.0)
     ap.add_argument("--start-delay-s", type=float, default=10.0)
-    ap.add_argument("--cooldown-s", type=float, default=40.0)
-    ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    # the policy below was chosen on seeds 1-3 (a small grid over up_load, sustain, cool-down, minimum);
+    # the default seeds 4-9 were not looked at while choosing it
+    ap.add_argument("--seeds", type=int, nargs="+", default=[4, 5, 6, 7, 8, 9])
+    ap.add_argument("--up-load", type=float, default=0.75)
+    ap.add_argument("--down-load", type=float, default=0.3)
+    ap.add_argument("--up-sustain-s", type=float, default=5.0)
+    ap.add_argument("--cooldown-s", type=float, default=20.0)
+    ap.add_argument("--min-instances", type=int, default=2)
+    ap.add_argument("--urgent-load", type=float, default=1.5)
+    ap.add_argument("--initial", type=int, default=3, help="pool sizes at t=0 (3 = the 3x(1P1D) start)")
+    ap.add_argument("--interval-s", type=float, default=5.0, help="controller period")
+    ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args()
-    policy = ScalePolicy(up_load=0.8, down_load=0.35, up_sustain_s=10, down_sustain_s=60, cooldown_s=args.cooldown_s,
-                         min_instances=1, max_instances=8, drain_timeout_s=120)
+    policy = ScalePolicy(up_load=args.up_load, down_load=args.down_load, up_sustain_s=args.up_sustain_s,
+                         down_sustain_s=60, cooldown_s=args.cooldown_s, min_instances=args.min_instances,
+                         max_instances=8, drain_timeout_s=120, urgent_load=args.urgent_load)
     rows = []
     for seed in args.seeds:
         reqs = trace(seed, args.duration_s)
@@ -182,21 +193,33 @@ def main() -> None:
             rows.append(dict(simulate([Req(r.t, r.inp, r.out, left=r.inp) for r in reqs], "fixed", g,
                                       args.start_delay_s, policy), seed=seed))
         rows.append(dict(simulate([Req(r.t, r.inp, r.out, left=r.inp) for r in reqs], "pools", 0,
-                                  args.start_delay_s, policy), seed=seed))
+                                  args.start_delay_s, policy, initial=args.initial, interval=args.interval_s),
+                         seed=seed))
         for r in rows[-len(args.groups) - 1:]:
             print(json.dumps(r))
-    print("\nSIMULATION  setup        SLO attainment (median)  instance-seconds (median)")
+    print("\nSIMULATION  setup              SLO attainment (mean, min)  instance-seconds (mean)")
     keys = [("fixed", g) for g in args.groups] + [("pools", None)]
+    summary = []
     for setup, g in keys:
         sel = [r for r in rows if r["setup"] == setup and r["groups"] == g]
-        att = sorted(r["slo_attainment"] for r in sel)[len(sel) // 2]
-        ins = sorted(r["instance_seconds"] for r in sel)[len(sel) // 2]
+        att = [r["slo_attainment"] for r in sel]
+        ins = [r["instance_seconds"] for r in sel]
         name = f"fixed {g}x(1P1D)" if setup == "fixed" else "pools+controller"
-        print(f"            {name:<18} {att:>10.3f}            {ins:>12.0f}")
+        line = f"{name} {sum(att) / len(att):.4f} (min {min(att):.4f}) / {sum(ins) / len(ins):.0f}"
+        summary.append(line)
+        print(f"            {name:<18} {sum(att) / len(att):>8.4f} ({min(att):.4f})        {sum(ins) / len(ins):>10.0f}")
+    if args.no_record:
+        return
     sys.path.insert(0, os.path.dirname(__file__))
     from loadgen import merge_results
 
-    merge_results("scaling", rows, " ".join(["python", *sys.argv]))
+    command = " ".join(["python", *sys.argv])
+    merge_results("scaling", rows, command)
+    with open("benchmarks/RESULTS.md", "a", encoding="utf-8") as fh:
+        fh.write(f"| bigpd_router | SIMULATION: shifting trace (decode-heavy, prefill-heavy, quiet; "
+                 f"{args.duration_s:.0f} s), seeds {args.seeds} (held out from the policy choice), "
+                 f"{args.start_delay_s:.0f} s instance start, pools start at {args.initial}P+{args.initial}D | "
+                 f"SLO attainment (mean, min) / instance-seconds (mean): {'; '.join(summary)} | `{command}` |\n")
 
 
 if __name__ == "__main__":

@@ -27,7 +27,8 @@ class RouterConfig:
     request_timeout_s: float = 300.0
     """Whole-request timeout toward an instance."""
     first_token_timeout_s: float = 60.0
-    """Time allowed until the first byte of the answer before the request is retried elsewhere."""
+    """Time allowed until the first byte of a streamed answer before the request is retried elsewhere
+    (a non-streamed answer has no visible first token: its whole answer gets request_timeout_s)."""
     max_retries: int = 1
     """Retries on another instance when one fails before the first token."""
     max_body_bytes: int = 8 * 1024 * 1024
@@ -44,6 +45,9 @@ class RouterConfig:
     """Seconds between scaling-controller decisions (0 disables the controller)."""
     scale_up_load: float = 0.9
     """Scale a pool up when its SLO Load stays above this for scale_up_sustain_s."""
+    scale_urgent_load: float = 0.0
+    """Predicted Load (backlog over measured rates) above which a pool scales up without waiting for
+    scale_up_sustain_s (0: off)."""
     scale_down_load: float = 0.4
     """Scale a pool down when its SLO Load (as it would be with one instance fewer) stays below this."""
     scale_up_sustain_s: float = 10.0
@@ -80,6 +84,8 @@ class RouterConfig:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if self.health_failures < 1:
             raise ValueError(f"health_failures must be >= 1, got {self.health_failures}")
+        if self.scale_urgent_load and self.scale_urgent_load <= self.scale_up_load:
+            raise ValueError(f"scale_urgent_load must be 0 or > scale_up_load, got {self.scale_urgent_load}")
         if not 0 <= self.scale_down_load < self.scale_up_load:
             raise ValueError(
                 f"scale_down_load must be in [0, scale_up_load), got {self.scale_down_load} "

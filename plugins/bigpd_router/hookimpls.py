@@ -34,6 +34,7 @@ _HELP = {
     "load_window_s": "seconds of measured TTFT/TPOT in the 'actual' part of SLO Load",
     "scale_interval_s": "seconds between scaling decisions (0: controller off)",
     "scale_up_load": "SLO Load above which a pool scales up",
+    "scale_urgent_load": "predicted Load above which a pool scales up at once, without the sustain (0: off)",
     "scale_down_load": "SLO Load (with one instance fewer) below which a pool scales down",
     "scale_up_sustain_s": "how long Load must stay high before scaling up",
     "scale_down_sustain_s": "how long Load must stay low before scaling down",

@@ -283,6 +283,21 @@ def test_decider_needs_sustained_load_and_respects_cooldown() -> None:
     assert "maximum" in d.decide(pl(2.0, 3), 3, 100).reason
 
 
+def test_urgent_predicted_load_skips_the_sustain_but_not_the_cooldown() -> None:
+    import dataclasses
+
+    d = PoolDecider(Role.PREFILL, dataclasses.replace(POLICY, urgent_load=2.5))
+    assert d.decide(pl(2.0, 1), 1, 0).action == "hold"  # high, not urgent: waits for the sustain
+    dec = d.decide(pl(3.0, 1), 1, 1)  # a predicted backlog this large is not noise
+    assert dec.action == "up" and "urgent" in dec.reason
+    assert d.decide(pl(3.0, 2), 2, 2).action == "hold"  # cool-down still holds
+    # a measured (actual) spike alone is not urgent: only the prediction counts
+    d2 = PoolDecider(Role.PREFILL, dataclasses.replace(POLICY, urgent_load=2.5))
+    assert d2.decide(PoolLoad(pred=0.5, actual=3.0, target=1.0, instances=1), 1, 0).action == "hold"
+    with pytest.raises(ValueError, match="urgent_load"):
+        dataclasses.replace(POLICY, urgent_load=0.5)
+
+
 def test_decider_scales_down_only_if_load_after_removal_is_low() -> None:
     d = PoolDecider(Role.DECODE, POLICY)
     # load 0.3 with 2 instances would be 0.6 with one: not low enough

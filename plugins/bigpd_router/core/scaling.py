@@ -45,8 +45,13 @@ class ScalePolicy:
     min_instances: int = 1
     max_instances: int = 4
     drain_timeout_s: float = 120.0
+    urgent_load: float = 0.0
+    """Predicted Load (queue backlog over measured rates) above which the pool scales up at once,
+    without waiting for up_sustain_s: a backlog is not noise. 0 turns this off."""
 
     def __post_init__(self) -> None:
+        if self.urgent_load and self.urgent_load <= self.up_load:
+            raise ValueError(f"urgent_load must be 0 or > up_load, got {self.urgent_load}")
         if not 0 <= self.down_load < self.up_load:
             raise ValueError(f"down_load must be in [0, up_load), got {self.down_load}")
         if self.min_instances < 0 or self.max_instances < max(1, self.min_instances):
@@ -110,9 +115,10 @@ class PoolDecider:
             return out("up", f"size {size} below minimum {p.min_instances}", p.min_instances - size)
         if size > p.max_instances:
             return out("down", f"size {size} above maximum {p.max_instances}", size - p.max_instances)
+        urgent = bool(p.urgent_load) and load.pred_load > p.urgent_load and load.pred_load - floor > MIN_EXCESS
         if cooling:
             return out("hold", "cool-down")
-        if st.above_since is not None and now - st.above_since >= p.up_sustain_s:
+        if st.above_since is not None and (urgent or now - st.above_since >= p.up_sustain_s):
             if size >= p.max_instances:
                 return out("hold", f"load {cur:.2f} high but at maximum {p.max_instances}")
             # size the step on the prediction (the measured part lags behind earlier additions):
@@ -120,7 +126,9 @@ class PoolDecider:
             want = size + 1
             while want < min(p.max_instances, 2 * max(size, 1)) and load.load_with(want, pred_only=True) > p.up_load:
                 want += 1
-            return out("up", f"load {cur:.2f} > {p.up_load} for {now - st.above_since:.0f}s", want - size)
+            why = (f"predicted load {load.pred_load:.2f} > urgent {p.urgent_load}" if urgent
+                   else f"load {cur:.2f} > {p.up_load} for {now - st.above_since:.0f}s")
+            return out("up", why, want - size)
         if st.below_since is not None and now - st.below_since >= p.down_sustain_s and size > p.min_instances:
             return out("down", f"load with {size - 1} would be {after_down:.2f} < {down_at:.2f}")
         return out("hold", f"load {cur:.2f}")

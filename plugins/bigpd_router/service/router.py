@@ -59,7 +59,7 @@ class Router:
         if actuator is not None and scaled_roles:
             policy = ScalePolicy(cfg.scale_up_load, cfg.scale_down_load, cfg.scale_up_sustain_s,
                                  cfg.scale_down_sustain_s, cfg.scale_cooldown_s, cfg.min_instances,
-                                 cfg.max_instances, cfg.drain_timeout_s)
+                                 cfg.max_instances, cfg.drain_timeout_s, cfg.scale_urgent_load)
             self.controller = ScalingController(self.registry, actuator, policy, self.pool_load, scaled_roles)
         self.registry.subscribe(self._on_registry_event)
         self.session: aiohttp.ClientSession | None = None
