@@ -79,6 +79,7 @@ class _Tiers:
         self.counts: dict[str, int] = {"prefetch_admitted": 0, "prefetch_refused": 0,
                                        "pages_skipped": 0, "pages_admitted": 0}
         self._lock = threading.Lock()
+        self._never: dict[str, bool] = {}
         self._m_pages = metrics.counter("kllm_kv_tiers_l3_pages_total", "L3 pages by outcome", ("outcome",))
         self._m_faults = metrics.counter("kllm_kv_tiers_l3_faults_total", "L3 pages refused or failed, by reason",
                                          ("reason",))
@@ -125,6 +126,25 @@ class _Tiers:
             if self.backend_stats is not None:
                 self.backend_stats.faults[reason] = self.backend_stats.faults.get(reason, 0) + n
         self._m_faults.labels(reason).inc(n)
+
+    def note_threshold(self, tier: str, min_tokens: float) -> None:
+        """Log once each time a tier turns from worth fetching to not (or back): with a slow or
+        overloaded store every hit is recomputed, and the log says so and why."""
+        never = min_tokens == float("inf")
+        with self._lock:
+            was = self._never.get(tier)
+            self._never[tier] = never
+        if was is None and not never or was == never or self.fetch is None:
+            return
+        snap = self.fetch.snapshot()
+        if never:
+            self._m_faults.labels(f"{tier}_slower_than_recompute").inc()
+            logger.warning("kv_tiers: %s is slower than recomputing (measured %.3f GB/s, %.1f ms latency; prefill "
+                           "%.0f tokens/s): its hits are recomputed until it speeds up", tier,
+                           snap[f"{tier}_bandwidth_bytes_per_s"] / 1e9, snap[f"{tier}_latency_s"] * 1e3,
+                           snap["prefill_tokens_per_s"])
+        else:
+            logger.info("kv_tiers: %s worth fetching again for hits of %d tokens and more", tier, int(min_tokens))
 
     def count(self, what: str, n: int = 1) -> None:
         with self._lock:
@@ -337,6 +357,7 @@ def around_prefetch_from_storage(original: Callable[..., Any], self: Any, reques
     if t.fetch is None or not t.cfg.adaptive_thresholds:
         return original(self, request, last_host_node_id, new_input_tokens, *args, **kwargs)
     min_tokens = t.fetch.min_fetch_tokens("l3")
+    t.note_threshold("l3", min_tokens)
     page = int(getattr(self, "page_size", 1))
     self.prefetch_threshold = max(page, _NO_FETCH_THRESHOLD if min_tokens == float("inf") else int(min_tokens))
     already = request in (getattr(self, "ongoing_prefetch", None) or {})
@@ -356,6 +377,7 @@ def around_init_load_back(original: Callable[..., Any], self: Any, *args: Any, *
     t = tiers()
     if t.fetch is not None and t.cfg.adaptive_thresholds:
         m = t.fetch.min_fetch_tokens("l2")
+        t.note_threshold("l2", m)
         self.load_back_threshold = _NO_FETCH_THRESHOLD if m == float("inf") else int(m)
     t0 = time.perf_counter()
     result = original(self, *args, **kwargs)

@@ -251,3 +251,37 @@ def test_second_sighting_may_happen_on_another_instance(backend_factory, tmp_pat
     assert not os.listdir(os.path.join(b.store.folder, ".seen"))  # markers of written pages are gone
     other = _keys(2, "t")
     assert b.batch_set(other, _pages(2, 6)) and b.batch_exists(other) == 0  # unseen elsewhere: skipped
+
+
+def test_slow_store_is_measured_and_then_recomputed(backend_factory, monkeypatch, caplog) -> None:
+    """A store that turns slow: its reads are timed, the break-even length becomes "never", the
+    prefetch hook refuses L3 for new requests, and a metric and a log line say why."""
+    import builtins
+
+    import time
+
+    from kllm_plugins.plugins.kv_tiers import sglang_adapter as ad
+    from kllm_plugins.plugins.kv_tiers.core import file_store
+
+    b = backend_factory(min_reuse=1, explore_every=0, prefill_tokens_per_s=20000.0)
+    keys, pages = _keys(4, "slow"), _pages(4, 9)
+    assert b.batch_set(keys, pages)
+    cache = _Cache()
+    assert ad.around_prefetch_from_storage(_Cache.prefetch, cache, "r0", None, list(range(512))) is True
+
+    def slow_open(*args: Any, **kwargs: Any) -> Any:  # a disk answering in 50 ms a page
+        time.sleep(0.05)
+        return builtins.open(*args, **kwargs)
+
+    monkeypatch.setattr(file_store, "open", slow_open, raising=False)
+    for _ in range(4):
+        dst = [torch.empty(PAGE_ELEMS, dtype=torch.bfloat16) for _ in keys]
+        assert all(g is not None for g in b.batch_get(keys, dst))  # still correct, only slow
+    with caplog.at_level("WARNING", logger="kllm.kv_tiers"):
+        assert ad.around_prefetch_from_storage(_Cache.prefetch, cache, "r1", None, list(range(512))) is None
+    assert cache.prefetch_threshold >= 1 << 30 and cache.calls == 1
+    assert "l3 is slower than recomputing" in caplog.text
+    from prometheus_client import REGISTRY
+
+    assert REGISTRY.get_sample_value("kllm_kv_tiers_l3_faults_total",
+                                     {"reason": "l3_slower_than_recompute"}) >= 1
