@@ -114,6 +114,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "fair_sched.json"))
     ap.add_argument("--plot", default="", help="default: benchmarks/results/fair_sched_<mix>.png")
     ap.add_argument("--no-record", action="store_true")
+    ap.add_argument("--no-results-md", action="store_true", help="write JSON and plot but no RESULTS.md row")
     args = ap.parse_args()
     # A TERM (e.g. a timeout) must still stop the servers: leave through the ExitStack.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -156,6 +157,9 @@ def main() -> None:
                     runs.append(row)
                     requests[key] = [[o.kind, o.prompt_len, round(o.ttft_s, 4), round(o.tpot_s, 4)] for o in outs]
                     outputs[key] = {o.rid: o.output_ids for o in outs}
+                    if not args.no_record:  # keep what was measured if the run is cut short
+                        with open(args.out + f".{mix.name}.partial", "w", encoding="utf-8") as fh:
+                            json.dump({"command": command, "calibration": cal, "runs": runs, "requests": requests}, fh)
                     print(f"[{time.time() - t_start:5.0f}s] {key} rate={rate:.2f}/s wall={wall:.0f}s "
                           f"ttft mean={row['ttft_s']['mean']:.2f} p90={row['ttft_s']['p90']:.2f} "
                           f"p99={row['ttft_s']['p99']:.2f} short p90={row['ttft_short_s']['p90']:.2f} "
@@ -189,6 +193,8 @@ def main() -> None:
     with open(os.path.join(os.path.dirname(args.out), meta["requests_file"]), "w", encoding="utf-8") as fh:
         json.dump(requests, fh)
     plot(runs, requests, args.loads, plot_path, mix.name)
+    if args.no_results_md:
+        return
     append_results_md(ROOT, command, text, f"Mix `{mix.name}`; plot {os.path.relpath(plot_path, ROOT)}; figures in "
                       f"{os.path.relpath(args.out, ROOT)}.")
 

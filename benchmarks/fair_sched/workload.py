@@ -34,6 +34,7 @@ class Mix:
 MIXES = {
     "issue": Mix("issue", 0.05, 2500, 5000, False),
     "heavy": Mix("heavy", 0.10, 2000, 8000, True),
+    "smoke": Mix("smoke", 0.10, 600, 1200, False),  # pipeline check only, never recorded
 }
 
 

@@ -248,3 +248,20 @@ def test_stretch_bound_of_the_defaults_for_the_issue_mix() -> None:
     # A solo request (nothing else arriving, nobody decoding) takes exactly its solo passes.
     res = simulate(FairPolicy(p), [[("L", 4000)]], [False])
     assert res.requests["L"].done_pass + 1 == solo_passes(4000, p)
+
+
+def test_plan_and_order_use_the_pass_budget_left_by_decode_rows() -> None:
+    pol = FairPolicy(params())
+    pol.start_long("L", 3000)
+    waiting = [WaitingItem("a", 40, 0), WaitingItem("b", 40, 1)]
+    # Full budget: room 96 holds both; with 20 decode rows riding along, room 76 holds only "a".
+    assert pol.plan(waiting, decode_running=True).reserved_tokens == 80
+    plan = pol.plan(waiting, decode_running=True, budget=108)
+    assert (plan.action, plan.reserved_tokens, plan.long_limit) == ("run", 40, 68)
+    # Nothing is reserved out of a budget smaller than the long request's minimum share.
+    tight = pol.plan(waiting, decode_running=True, budget=10)
+    assert (tight.action, tight.reserved_tokens, tight.long_limit) == ("run", 0, None)
+    fresh = FairPolicy(params())
+    queue = [WaitingItem("s1", 50, 0), WaitingItem("L", 900, 1), WaitingItem("s2", 40, 2)]
+    assert [queue[i].rid for i in fresh.order(queue)] == ["s1", "s2", "L"]
+    assert [queue[i].rid for i in fresh.order(queue, budget=100)] == ["s1", "L", "s2"]
