@@ -51,11 +51,11 @@ def start_servers(stack: ExitStack, policies: list[str], args: Any, model: str) 
                  "fcfs" if policy == "fair_sched" else policy, "--dtype", args.dtype]
         servers[policy] = sglang_server(model, plugins=["fair_sched"] if policy == "fair_sched" else [],
                                         extra_args=extra, max_total_tokens=args.max_total_tokens, env=env)
+    for srv in servers.values():
+        stack.callback(srv.stop)  # registered first: a TERM during start-up still stops them
     t0 = time.time()
     with ThreadPoolExecutor(len(servers)) as pool:
         list(pool.map(lambda s: s.start(), servers.values()))
-    for srv in servers.values():
-        stack.callback(srv.stop)
     print(f"{len(servers)} servers up in {time.time() - t0:.0f}s", flush=True)
     return servers
 
@@ -135,6 +135,7 @@ def main() -> None:
         cal = measure(cal_srv.base_url, mix, args.cal_requests)
         if args.capacity:
             cal["capacity_req_s"] = args.capacity
+        cal["machine_loadavg_1m"] = os.getloadavg()[0]
         print(f"calibration: {json.dumps(cal)}", flush=True)
         solo = solo_fn(cal)
         for seed in range(args.seeds):
@@ -150,7 +151,8 @@ def main() -> None:
                     wall = time.perf_counter() - t0
                     key = f"{policy}@{load}/s{seed}"
                     row = {"mix": mix.name, "load": load, "seed": seed, "policy": policy, "rate_req_s": rate,
-                           "requests": len(jobs), **summarize(outs, wall, solo), "key": key}
+                           "requests": len(jobs), **summarize(outs, wall, solo), "key": key,
+                           "machine_loadavg_1m": os.getloadavg()[0]}
                     if before:
                         after = counters(srv)
                         row["fair_sched_counters"] = {k: after.get(k, 0) - before.get(k, 0) for k in COUNTERS}
@@ -164,7 +166,8 @@ def main() -> None:
                           f"ttft mean={row['ttft_s']['mean']:.2f} p90={row['ttft_s']['p90']:.2f} "
                           f"p99={row['ttft_s']['p99']:.2f} short p90={row['ttft_short_s']['p90']:.2f} "
                           f"long mean={row['ttft_long_s']['mean']:.2f} tpot={row['tpot_s']['mean'] * 1000:.0f}ms "
-                          f"thr={row['throughput_req_s']:.2f} {row.get('fair_sched_counters', '')}", flush=True)
+                          f"thr={row['throughput_req_s']:.2f} loadavg={row['machine_loadavg_1m']:.1f} "
+                          f"{row.get('fair_sched_counters', '')}", flush=True)
     for r in runs:
         base = f"fcfs@{r['load']}/s{r['seed']}"
         if base in outputs and r["policy"] != "fcfs":
