@@ -43,6 +43,27 @@ def rand_ids(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(5, 4090) for _ in range(n)]
 
 
+def cpu_busy(window_s: float = 3.0) -> float:
+    """Fraction of the machine's CPU time that was not idle over `window_s`."""
+    def read() -> tuple[int, int]:
+        with open("/proc/stat", encoding="utf-8") as fh:
+            vals = [int(v) for v in fh.readline().split()[1:]]
+        return sum(vals), vals[3] + vals[4]
+    t0, i0 = read()
+    time.sleep(window_s)
+    t1, i1 = read()
+    return 1.0 - (i1 - i0) / max(t1 - t0, 1)
+
+
+def wait_for_quiet(max_s: float, busy_below: float = 0.3) -> float:
+    """Wait (at most max_s) until other work has left the CPU; return the last busy fraction."""
+    deadline = time.time() + max_s
+    busy = cpu_busy()
+    while busy >= busy_below and time.time() < deadline:
+        busy = cpu_busy()
+    return busy
+
+
 def start_servers(stack: ExitStack, policies: list[str], args: Any, model: str) -> dict[str, Any]:
     servers = {}
     for policy in policies:
@@ -113,6 +134,7 @@ def main() -> None:
     ap.add_argument("--fair-env", nargs="*", default=[], help="KLLM_FAIR_SCHED_*=value for the fair_sched server")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "fair_sched.json"))
     ap.add_argument("--plot", default="", help="default: benchmarks/results/fair_sched_<mix>.png")
+    ap.add_argument("--settle-s", type=float, default=0.0, help="first wait up to this long for the CPU to go idle")
     ap.add_argument("--no-record", action="store_true")
     ap.add_argument("--no-results-md", action="store_true", help="write JSON and plot but no RESULTS.md row")
     args = ap.parse_args()
@@ -127,6 +149,9 @@ def main() -> None:
     requests: dict[str, list[list[Any]]] = {}
     outputs: dict[str, dict[str, list[int]]] = {}
     t_start = time.time()
+    if args.settle_s:
+        busy = wait_for_quiet(args.settle_s)
+        print(f"machine CPU busy {busy:.0%} after {time.time() - t_start:.0f}s of settling", flush=True)
     with ExitStack() as stack:
         servers = start_servers(stack, args.policies, args, model)
         for name, srv in servers.items():
