@@ -1,11 +1,17 @@
-"""Replay a shared-prefix multi-turn trace against real SGLang servers on CPU: L1 only vs stock
-HiCache (L2 + file L3) vs kv_tiers (L2 + checked file L3, fetch-or-recompute, selective writes).
+"""Replay shared-prefix multi-turn traces against two real SGLang servers on CPU: L1 only vs stock
+HiCache (L2 + SGLang's file L3) vs kv_tiers (L2 + checked file L3, fetch-or-recompute, selective
+writes), the L3 folder shared by the two servers in both tiered setups.
 
-One server at a time, same trace, same flags except the cache tiers. Per setup: hit rate per tier
-(L1 = device radix cache; L2 = host loads minus those that came from L3; L3 = tokens prefetched
-from storage), TTFT mean/P50/P99 (streaming, first chunk), goodput at a TTFT SLO (requests within
-the SLO per second of makespan). Prints ratios against L1 only, writes
-benchmarks/results/kv_tiers.json and appends a row to benchmarks/RESULTS.md.
+Per setup the two servers start once and serve every trace in turn (L1 and L2 flushed between
+traces; L3 keeps what it has, traces share no tokens). A request goes to a server picked by a
+seeded coin (a load balancer that knows nothing of prefixes), so about half of the turns of a
+conversation land on the other server: there only a shared L3 can serve its prefix. Traces:
+synthetic (trace_gen, Mooncake format), ShareGPT-derived (sharegpt_trace, real multi-turn
+conversations) and a no-reuse control. Per setup and trace: hit rate per tier (L1 = device radix
+cache; L2 = host loads minus those that came from L3; L3 = tokens prefetched from storage), TTFT
+mean/P50/P99 (streaming, first chunk), goodput at a TTFT SLO (requests within the SLO per second
+of makespan). Prints ratios against L1 only, writes benchmarks/results/kv_tiers.json and appends
+a row to benchmarks/RESULTS.md.
 
 Stock HiCache needs kv_tiers' CPU compatibility hooks (unpinned host pool, torch direct copy) to
 run on this platform at all, so its setup loads the plugin with the policies off
@@ -15,9 +21,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import random
 import re
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -28,15 +35,13 @@ from pathlib import Path
 from typing import Any
 
 from kllm_plugins.models.tiny_llama import tiny_llama_path
+from kllm_plugins.testing.kv_tiers import flush, kv_tiers_stats, l3_args
 from kllm_plugins.testing.sglang_server import SGLangServer
 
 sys.path.insert(0, str(Path(__file__).parent))
 from trace_gen import generate, tokens_for  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-ADAPTER = "kllm_plugins.plugins.kv_tiers.sglang_adapter"
-HICACHE = ["--enable-hierarchical-cache", "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first",
-           "--hicache-write-policy", "write_through"]
 
 
 def setup_args(name: str, store: str) -> tuple[list[str], list[str], dict[str, str]]:
@@ -45,11 +50,9 @@ def setup_args(name: str, store: str) -> tuple[list[str], list[str], dict[str, s
         return [], [], {}
     if name == "hicache":
         env.update({"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": store, "KLLM_KV_TIERS_ADAPTIVE_THRESHOLDS": "false"})
-        return HICACHE + ["--hicache-storage-backend", "file"], ["kv_tiers"], env
-    extra = {"backend_name": "kllm_file", "module_path": ADAPTER, "class_name": "KllmFileStorage"}
+        return l3_args("file"), ["kv_tiers"], env
     env.update({"KLLM_KV_TIERS_STORE_DIR": store})
-    return HICACHE + ["--hicache-storage-backend", "dynamic", "--hicache-storage-backend-extra-config",
-                      json.dumps(extra)], ["kv_tiers"], env
+    return l3_args("kllm_file"), ["kv_tiers"], env
 
 
 def stream_generate(base_url: str, ids: list[int], max_new_tokens: int) -> tuple[float, float, dict[str, Any]]:
@@ -70,25 +73,30 @@ def stream_generate(base_url: str, ids: list[int], max_new_tokens: int) -> tuple
     return ttft or float("nan"), time.perf_counter() - t0, last.get("meta_info", {})
 
 
-def replay(server: SGLangServer, trace: list[dict[str, Any]], concurrency: int) -> list[dict[str, Any]]:
+def replay(servers: list[SGLangServer], trace: list[dict[str, Any]], concurrency: int,
+           seed: int) -> list[dict[str, Any]]:
+    """Closed loop, `concurrency` requests in flight per server; each request on a coin-picked server."""
+    rng = random.Random(seed)
+    queues: list[list[int]] = [[] for _ in servers]
+    for i in range(len(trace)):
+        queues[rng.randrange(len(servers))].append(i)
     results: list[dict[str, Any] | None] = [None] * len(trace)
-    cursor = [0]
     lock = threading.Lock()
 
-    def worker() -> None:
+    def worker(sidx: int) -> None:
         while True:
             with lock:
-                i = cursor[0]
-                cursor[0] += 1
-            if i >= len(trace):
-                return
+                if not queues[sidx]:
+                    return
+                i = queues[sidx].pop(0)
             r = trace[i]
-            ttft, e2e, meta = stream_generate(server.base_url, tokens_for(r["hash_ids"]), int(r["output_length"]))
+            ttft, e2e, meta = stream_generate(servers[sidx].base_url, tokens_for(r["hash_ids"]),
+                                              int(r["output_length"]))
             results[i] = {"ttft_s": ttft, "e2e_s": e2e, "input": int(r["input_length"]),
-                          "cached": int(meta.get("cached_tokens", 0))}
+                          "cached": int(meta.get("cached_tokens", 0)), "server": sidx}
             print(f"\r  {sum(x is not None for x in results)}/{len(trace)}", end="", file=sys.stderr, flush=True)
 
-    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(len(servers)) for _ in range(concurrency)]
     for t in threads:
         t.start()
     for t in threads:
@@ -102,93 +110,166 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
 
 
-def run_setup(name: str, trace: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+def _start_all(servers: list[SGLangServer]) -> None:
+    errors: list[BaseException] = []
+
+    def start(s: SGLangServer) -> None:
+        try:
+            s.start()
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start, args=(s,)) for s in servers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        for s in servers:
+            s.stop()
+        raise errors[0]
+
+
+def _counters(servers: list[SGLangServer], plugins: list[str]) -> tuple[int, int]:
+    """(tokens loaded from L2 by the kv_tiers hook, tokens prefetched from L3) over the servers so far."""
+    l2 = sum(int(kv_tiers_stats(s).get("l2_loaded_tokens", 0)) for s in servers) if plugins else 0
+    l3 = sum(int(m) for s in servers for line in s.grep_log(r"HiCache prefetch success")
+             for m in re.findall(r"loaded=(\d+)", line))
+    return l2, l3
+
+
+def run_setup(name: str, traces: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> list[dict[str, Any]]:
     store = tempfile.mkdtemp(prefix=f"kvt-bench-{name}-")
     extra, plugins, env = setup_args(name, store)
     common = ["--page-size", "16", "--chunked-prefill-size", "512"]
+    servers = [SGLangServer(tiny_llama_path(), plugins=plugins, extra_args=common + extra,
+                            env={**env, "KLLM_KV_TIERS_INSTANCE_ID": f"{name}-{i}"},
+                            max_total_tokens=args.l1_tokens, startup_timeout_s=400) for i in range(2)]
+    runs = []
     try:
-        with SGLangServer(tiny_llama_path(), plugins=plugins, extra_args=common + extra, env=env,
-                          max_total_tokens=args.l1_tokens, startup_timeout_s=400) as server:
-            stream_generate(server.base_url, list(range(200, 232)), 2)  # warm-up
-            t0 = time.perf_counter()
-            res = replay(server, trace, args.concurrency)
-            makespan = time.perf_counter() - t0
+        _start_all(servers)
+        for s in servers:
+            stream_generate(s.base_url, list(range(200, 232)), 2)  # warm-up
+        for tname, trace in traces.items():
+            if tname.endswith(" unique") and name not in args.unique_setups.split(","):
+                continue
+            for s in servers:
+                flush(s.base_url)
             time.sleep(1.0)
-            stats: dict[str, Any] = {}
-            if plugins:
-                procs = server.get_json("/kllm/stats").get("kv_tiers", {}).get("processes", {})
-                stats = next(iter(procs.values()), {})
-            l3_loaded = sum(int(m) for line in server.grep_log(r"HiCache prefetch success")
-                            for m in re.findall(r"loaded=(\d+)", line))
+            l2_0, l3_0 = _counters(servers, plugins)
+            t0 = time.perf_counter()
+            res = replay(servers, trace, args.concurrency, args.seed)
+            makespan = time.perf_counter() - t0
+            time.sleep(1.5)  # stats snapshots are written every 0.5 s
+            l2_1, l3_1 = _counters(servers, plugins)
+            stats = [kv_tiers_stats(s) for s in servers] if plugins else []
+            runs.append(summarize(name, tname, res, makespan, l2_1 - l2_0, l3_1 - l3_0, stats, args))
+            print(f"  {name} / {tname}: {makespan:.1f} s", file=sys.stderr)
     finally:
+        for s in servers:
+            s.stop()
         shutil.rmtree(store, ignore_errors=True)
+    return runs
+
+
+def summarize(name: str, tname: str, res: list[dict[str, Any]], makespan: float, l2_loaded: int, l3_loaded: int,
+              stats: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
     total_in = sum(r["input"] for r in res)
     cached = sum(r["cached"] for r in res)
-    l2_loaded = int(stats.get("l2_loaded_tokens", 0))
     ttfts = [r["ttft_s"] for r in res]
     good = sum(1 for t in ttfts if t <= args.slo_s)
+    keep = ("pages_admitted", "pages_skipped", "prefetch_admitted", "prefetch_refused", "l2_loaded_tokens")
     return {
         "setup": name,
-        "trace": args.trace_name,
+        "trace": tname,
         "requests": len(res),
-        "hit_rate": {"l1": (cached - l2_loaded) / total_in, "l2": max(0, l2_loaded - l3_loaded) / total_in,
+        "servers": 2,
+        "hit_rate": {"l1": max(0, cached - l2_loaded) / total_in, "l2": max(0, l2_loaded - l3_loaded) / total_in,
                      "l3": l3_loaded / total_in, "total": cached / total_in},
         "ttft_s": {"mean": statistics.fmean(ttfts), "p50": pct(ttfts, 0.5), "p99": pct(ttfts, 0.99)},
         "throughput_req_s": len(res) / makespan,
         "throughput_at_slo_req_s": good / makespan,
         "slo_ttft_s": args.slo_s,
-        "kv_tiers_stats": {k: v for k, v in stats.items() if k in ("pages_admitted", "pages_skipped", "store",
-                                                                   "prefetch_admitted", "prefetch_refused")},
+        "l1_tokens": args.l1_tokens,
+        "l2_tokens": 2 * args.l1_tokens if name != "l1_only" else 0,
+        "kv_tiers_stats": [{k: v for k, v in s.items() if k in keep} | {"store": s.get("store", {}).get("hits")}
+                           for s in stats],
     }
 
 
+def build_traces(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
+    out: dict[str, list[dict[str, Any]]] = {}
+    for t in args.traces.split(","):
+        if t == "synthetic":
+            out[f"synthetic sessions={args.sessions} turns={args.turns}"] = list(generate(args.sessions, args.turns))
+        elif t == "sharegpt":
+            from sharegpt_trace import build
+
+            out[f"sharegpt conversations={args.conversations} turns<=3"] = build(args.conversations)
+        elif t == "unique":
+            out[f"synthetic sessions={args.sessions} turns={args.turns} unique"] = list(
+                generate(args.sessions, args.turns, unique=True))
+        else:
+            raise SystemExit(f"unknown trace {t!r}")
+    return out
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description="kv_tiers: L1 only vs stock HiCache vs kv_tiers on a replayed trace")
+    ap = argparse.ArgumentParser(description="kv_tiers: L1 only vs stock HiCache vs kv_tiers, two servers, replayed traces")
     ap.add_argument("--setups", default="l1_only,hicache,kv_tiers")
+    ap.add_argument("--traces", default="synthetic,sharegpt,unique")
     ap.add_argument("--sessions", type=int, default=16)
     ap.add_argument("--turns", type=int, default=3)
-    ap.add_argument("--unique", action="store_true", help="no-reuse control trace")
-    ap.add_argument("--concurrency", type=int, default=2)
-    ap.add_argument("--l1-tokens", type=int, default=1024, help="--max-total-tokens (device KV)")
+    ap.add_argument("--conversations", type=int, default=12)
+    ap.add_argument("--unique-setups", default="l1_only,kv_tiers", help="setups that also run the no-reuse trace")
+    ap.add_argument("--concurrency", type=int, default=1, help="requests in flight per server")
+    ap.add_argument("--l1-tokens", type=int, default=1024, help="--max-total-tokens (device KV) per server")
     ap.add_argument("--slo-s", type=float, default=2.0, help="TTFT SLO for goodput")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the request-to-server coin")
     ap.add_argument("--no-record", action="store_true", help="do not write results files")
     args = ap.parse_args()
-    args.trace_name = f"synthetic sessions={args.sessions} turns={args.turns}{' unique' if args.unique else ''}"
-    trace = list(generate(args.sessions, args.turns, unique=args.unique))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers on the way out
+    traces = build_traces(args)
     command = "python " + " ".join([str(Path(sys.argv[0]))] + sys.argv[1:])
-    runs = []
+    runs: list[dict[str, Any]] = []
     for name in args.setups.split(","):
         print(f"== {name}", file=sys.stderr)
-        runs.append(run_setup(name, trace, args))
-    base = next((r for r in runs if r["setup"] == "l1_only"), runs[0])
-    print(f"trace: {args.trace_name}, {len(trace)} requests, concurrency {args.concurrency}, L1 {args.l1_tokens} tokens")
-    print(f"{'setup':10} {'hit l1':>7} {'l2':>6} {'l3':>6} {'total':>6} {'ttft mean':>9} {'p50':>6} {'p99':>6} "
-          f"{'req/s':>6} {'@slo':>6} {'p50/base':>8} {'@slo/base':>9}")
-    for r in runs:
-        h, t = r["hit_rate"], r["ttft_s"]
-        ratio_p50 = t["p50"] / base["ttft_s"]["p50"]
-        ratio_slo = r["throughput_at_slo_req_s"] / base["throughput_at_slo_req_s"] if base["throughput_at_slo_req_s"] else float("nan")
-        print(f"{r['setup']:10} {h['l1']:7.3f} {h['l2']:6.3f} {h['l3']:6.3f} {h['total']:6.3f} {t['mean']:9.3f} "
-              f"{t['p50']:6.3f} {t['p99']:6.3f} {r['throughput_req_s']:6.3f} {r['throughput_at_slo_req_s']:6.3f} "
-              f"{ratio_p50:8.3f} {ratio_slo:9.3f}")
+        runs += run_setup(name, traces, args)
+    print(f"two servers, concurrency {args.concurrency} per server, L1 {args.l1_tokens} tokens per server, "
+          f"L2 2x L1, SLO TTFT {args.slo_s} s")
+    for tname, trace in traces.items():
+        rows = [r for r in runs if r["trace"] == tname]
+        base = next((r for r in rows if r["setup"] == "l1_only"), rows[0])
+        print(f"\ntrace: {tname}, {len(trace)} requests")
+        print(f"{'setup':10} {'hit l1':>7} {'l2':>6} {'l3':>6} {'total':>6} {'ttft mean':>9} {'p50':>6} {'p99':>6} "
+              f"{'req/s':>6} {'@slo':>6} {'mean/base':>9} {'@slo/base':>9}")
+        for r in rows:
+            h, t = r["hit_rate"], r["ttft_s"]
+            ratio_mean = t["mean"] / base["ttft_s"]["mean"]
+            ratio_slo = (r["throughput_at_slo_req_s"] / base["throughput_at_slo_req_s"]
+                         if base["throughput_at_slo_req_s"] else float("nan"))
+            print(f"{r['setup']:10} {h['l1']:7.3f} {h['l2']:6.3f} {h['l3']:6.3f} {h['total']:6.3f} {t['mean']:9.3f} "
+                  f"{t['p50']:6.3f} {t['p99']:6.3f} {r['throughput_req_s']:6.3f} {r['throughput_at_slo_req_s']:6.3f} "
+                  f"{ratio_mean:9.3f} {ratio_slo:9.3f}")
     if args.no_record:
         return
     out = ROOT / "benchmarks" / "results" / "kv_tiers.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = json.loads(out.read_text()) if out.exists() else {"command": command, "runs": []}
     doc["command"] = command
-    doc["runs"] = [r for r in doc["runs"] if r["trace"] != args.trace_name] + runs
+    doc["runs"] = [r for r in doc["runs"] if r.get("servers") == 2 and r["trace"] not in traces] + runs
     out.write_text(json.dumps(doc, indent=1) + "\n")
-    results = ROOT / "benchmarks" / "RESULTS.md"
-    if not results.exists():
-        results.write_text("# Benchmark results\n")
-    cells = "; ".join(f"{r['setup']}: hit {r['hit_rate']['total']:.3f} (l1 {r['hit_rate']['l1']:.3f}/l2 "
-                      f"{r['hit_rate']['l2']:.3f}/l3 {r['hit_rate']['l3']:.3f}), TTFT p50 {r['ttft_s']['p50']:.3f} s "
-                      f"p99 {r['ttft_s']['p99']:.3f} s, {r['throughput_at_slo_req_s']:.3f} req/s at SLO" for r in runs)
-    with results.open("a") as f:
-        f.write(f"\n## kv_tiers (issue 7), CPU (2 cores, shared), tiny Llama, {time.strftime('%Y-%m-%d')}\n"
-                f"`{command}` — {args.trace_name}, concurrency {args.concurrency}, L1 {args.l1_tokens} tokens, "
-                f"SLO TTFT {args.slo_s} s: {cells}\n")
+    cells = []
+    for tname in traces:
+        cells.append(f"[{tname}] " + "; ".join(
+            f"{r['setup']}: hit {r['hit_rate']['total']:.3f} (l1 {r['hit_rate']['l1']:.3f}/l2 {r['hit_rate']['l2']:.3f}"
+            f"/l3 {r['hit_rate']['l3']:.3f}), TTFT mean {r['ttft_s']['mean']:.3f} p50 {r['ttft_s']['p50']:.3f} "
+            f"p99 {r['ttft_s']['p99']:.3f} s, {r['throughput_at_slo_req_s']:.3f} req/s at SLO"
+            for r in runs if r["trace"] == tname))
+    with (ROOT / "benchmarks" / "RESULTS.md").open("a") as f:
+        f.write(f"\n## kv_tiers (issue 7), CPU (2 cores, shared), tiny Llama, two servers, {time.strftime('%Y-%m-%d')}\n"
+                f"`{command}` — concurrency {args.concurrency} per server, L1 {args.l1_tokens} tokens per server, "
+                f"L2 2x L1, shared L3 folder, SLO TTFT {args.slo_s} s: " + " ".join(cells) + "\n")
 
 
 if __name__ == "__main__":

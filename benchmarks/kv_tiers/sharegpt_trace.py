@@ -38,7 +38,7 @@ def iter_conversations(limit: int | None = None) -> Iterator[dict[str, Any]]:
         yield obj
 
 
-def build(conversations: int = 12, min_turns: int = 3, max_turns: int = 3, max_tokens: int = 1024,
+def build(conversations: int = 12, min_turns: int = 3, max_turns: int = 3, max_tokens: int = 768,
           block_size: int = 16, output_length: int = 4, interval_ms: int = 500,
           tokenizer_path: str | None = None) -> list[dict[str, Any]]:
     from transformers import AutoTokenizer

@@ -4,10 +4,14 @@ Servers A and B share one L3: the plugin's file store on one folder, or the plug
 backend on one test-started master. A prompt prefilled on A is written to L3; the same prompt on
 B (whose L1 and L2 never saw it) is served from L3: cached tokens on B, L3 hits counted in B's
 stats, and the output equal to transformers' greedy output (float32), i.e. to a run without
-tiers.
+tiers. Then the shared store is lost under B (the folder deleted, the Mooncake master killed):
+B keeps serving by recomputing, with the same output, and its log says why.
 """
 from __future__ import annotations
 
+import os
+import shutil
+import signal
 import threading
 import time
 from contextlib import ExitStack
@@ -17,7 +21,7 @@ import pytest
 
 from kllm_plugins.models.tiny_llama import tiny_llama_path
 from kllm_plugins.testing.hf_reference import hf_greedy
-from kllm_plugins.testing.kv_tiers import kv_tiers_stats, l3_args, mooncake_available, mooncake_master
+from kllm_plugins.testing.kv_tiers import flush, kv_tiers_stats, l3_args, mooncake_available, mooncake_master
 from kllm_plugins.testing.sglang_server import SGLangServer
 
 pytestmark = [pytest.mark.sglang, pytest.mark.e2e]
@@ -86,3 +90,20 @@ def test_prefix_prefilled_on_a_is_served_from_l3_on_b(backend: str, tmp_path) ->
         assert snap_b["store"]["hits"] >= PAGES and not snap_b["store"]["faults"], snap_b
         assert snap_b["instance_id"] == "B" and snap_b["backend"] == backend.removeprefix("kllm_")
         assert [ln for ln in b.grep_log(r"HiCache prefetch success") if f"loaded={PAGES * 16}" in ln]
+
+        # the store is lost mid-run: B recomputes, same output, and says why
+        if master is not None:
+            os.killpg(master["proc"].pid, signal.SIGKILL)
+            master["proc"].wait(timeout=20)
+            why = r"kv_tiers mooncake store: (lookup|read|write) of \d+ pages failed"
+        else:
+            shutil.rmtree(tmp_path / "l3")
+            why = r"kv_tiers file store .* was missing; recreated it"
+        flush(b.base_url)
+        lost = b.generate(input_ids=PROMPT, max_new_tokens=6)
+        assert lost["output_ids"] == ref
+        assert lost["meta_info"]["cached_tokens"] < PAGES * 16
+        deadline = time.monotonic() + 10
+        while not b.grep_log(why) and time.monotonic() < deadline:
+            time.sleep(0.3)
+        assert b.grep_log(why), b.log_tail(20)
