@@ -111,6 +111,21 @@ def solo_fn(cal: dict[str, float]) -> Any:
     return lambda n: max(tlo + slope * (n - lo), 1e-3)
 
 
+def flush_cache(srv: Any) -> None:
+    """Every run starts with an empty prefix cache: the two loads of a seed replay the same prompts."""
+    import urllib.request
+
+    for _ in range(20):
+        try:
+            with urllib.request.urlopen(urllib.request.Request(srv.base_url + "/flush_cache", method="POST"), timeout=30) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"could not flush the prefix cache of {srv.base_url}")
+
+
 def counters(srv: Any) -> dict[str, float]:
     try:
         total = srv.get_json("/kllm/stats").get("fair_sched", {}).get("total", {})
@@ -170,6 +185,7 @@ def main() -> None:
                 for load in args.loads:
                     rate = load * cal["capacity_req_s"]
                     jobs = make_trace(mix, args.requests, rate, seed)
+                    flush_cache(srv)
                     before = counters(srv) if policy == "fair_sched" else {}
                     t0 = time.perf_counter()
                     outs = run_jobs(srv.base_url, jobs)
@@ -192,6 +208,7 @@ def main() -> None:
                           f"p99={row['ttft_s']['p99']:.2f} short p90={row['ttft_short_s']['p90']:.2f} "
                           f"long mean={row['ttft_long_s']['mean']:.2f} tpot={row['tpot_s']['mean'] * 1000:.0f}ms "
                           f"thr={row['throughput_req_s']:.2f} loadavg={row['machine_loadavg_1m']:.1f} "
+                          f"cached={row['cached_prompt_tokens']} "
                           f"{row.get('fair_sched_counters', '')}", flush=True)
     for r in runs:
         base = f"fcfs@{r['load']}/s{r['seed']}"

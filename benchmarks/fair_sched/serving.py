@@ -70,6 +70,8 @@ class Outcome:
     output_len: int
     output_ids: list[int]
     finish_reason: Any
+    cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache (SGLang's meta_info)."""
 
     @property
     def tpot_s(self) -> float:
@@ -88,6 +90,7 @@ async def _one(session: aiohttp.ClientSession, url: str, job: Job, t0: float) ->
     ttft = -1.0
     out_ids: list[int] = []
     finish: Any = None
+    cached = 0
     async with session.post(url + "/generate", json=payload) as resp:
         resp.raise_for_status()
         async for raw in resp.content:
@@ -100,10 +103,12 @@ async def _one(session: aiohttp.ClientSession, url: str, job: Job, t0: float) ->
                 ttft = time.perf_counter() - start
             if ids:
                 out_ids = list(ids)
-            finish = (data.get("meta_info") or {}).get("finish_reason") or finish
+            meta = data.get("meta_info") or {}
+            finish = meta.get("finish_reason") or finish
+            cached = int(meta.get("cached_tokens", cached) or 0)
     end = time.perf_counter()
     return Outcome(job.rid, job.kind, len(job.input_ids), job.arrival_s, ttft if ttft >= 0 else end - start,
-                   end - start, len(out_ids), out_ids, finish)
+                   end - start, len(out_ids), out_ids, finish, cached)
 
 
 async def _run(url: str, jobs: Sequence[Job]) -> list[Outcome]:

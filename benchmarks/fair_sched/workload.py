@@ -91,4 +91,5 @@ def summarize(outs: list[Outcome], wall_s: float, solo_long_s: Any) -> dict[str,
         "throughput_req_s": len(outs) / wall_s,
         "output_tok_s": sum(o.output_len for o in outs) / wall_s,
         "wall_s": wall_s,
+        "cached_prompt_tokens": sum(o.cached_tokens for o in outs),
     }
