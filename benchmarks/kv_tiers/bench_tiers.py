@@ -211,6 +211,10 @@ def build_traces(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
                 generate(args.sessions, args.turns, unique=True))
         else:
             raise SystemExit(f"unknown trace {t!r}")
+    # each trace in its own block-id (token) space: the servers' L3 keeps earlier traces' pages
+    for k, trace in enumerate(out.values()):
+        for r in trace:
+            r["hash_ids"] = [h + (k << 24) for h in r["hash_ids"]]
     return out
 
 

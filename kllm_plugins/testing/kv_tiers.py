@@ -73,13 +73,14 @@ def l3_args(backend: str, master: dict[str, Any] | None = None, **extra: Any) ->
     """HiCache flags for an L3 backend: "kllm_file", "kllm_mooncake" (the plugin's), "file" or
     "mooncake" (SGLang's own)."""
     if backend == "kllm_file":
-        cfg = {"backend_name": "kllm_file", "module_path": FILE_ADAPTER, "class_name": "KllmFileStorage", **extra}
+        cfg = {"backend_name": "kllm_file", "module_path": FILE_ADAPTER, "class_name": "KllmFileStorage",
+               "hicache_storage_pass_prefix_keys": True, **extra}
         return HICACHE_ARGS + LAYER_FIRST + ["--hicache-storage-backend", "dynamic",
                                              "--hicache-storage-backend-extra-config", json.dumps(cfg)]
     if backend == "kllm_mooncake":
         assert master is not None
         cfg = {"backend_name": "kllm_mooncake", "module_path": MOONCAKE_ADAPTER, "class_name": "KllmMooncakeStorage",
-               "interface_v1": 1, **mooncake_extra(master), **extra}
+               "interface_v1": 1, "hicache_storage_pass_prefix_keys": True, **mooncake_extra(master), **extra}
         return HICACHE_ARGS + PAGE_FIRST + ["--hicache-storage-backend", "dynamic",
                                             "--hicache-storage-backend-extra-config", json.dumps(cfg)]
     if backend == "mooncake":

@@ -62,6 +62,12 @@ def _instance_id(cfg: KvTiersConfig) -> str:
     return f"{socket.gethostname()}:{port}"
 
 
+def extends_cached_prefix(extra_info: Any) -> bool:
+    """Whether an L3 lookup is for a request that matched a prefix in L1/L2 (HiCache passes the
+    matched prefix's keys when `hicache_storage_pass_prefix_keys` is set in the extra config)."""
+    return bool(getattr(extra_info, "prefix_keys", None))
+
+
 class _Tiers:
     """Per-process state shared by the storage backend and the hooks."""
 
@@ -246,6 +252,8 @@ class KllmFileStorage(HiCacheStorage):
         n = self.store.prefix_hits(keys)
         if n < len(keys):
             self.t.persistence.note_lookup_miss(keys[n:])
+            if n or extends_cached_prefix(extra_info):
+                self.t.persistence.note_continuation(keys[n:])
         return n
 
     def get(self, key: str, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None) -> torch.Tensor | None:

@@ -47,7 +47,7 @@ from kllm_plugins.plugins.kv_tiers.core.page_format import (
     encode_record,
 )
 from kllm_plugins.plugins.kv_tiers.core.tier_events import TierEventLog
-from kllm_plugins.plugins.kv_tiers.sglang_adapter import tiers
+from kllm_plugins.plugins.kv_tiers.sglang_adapter import extends_cached_prefix, tiers
 
 logger = logging.getLogger("kllm.kv_tiers")
 
@@ -216,6 +216,8 @@ class KllmMooncakeStorage(MooncakeStore):
             return 0
         if n < len(keys):
             self.t.persistence.note_lookup_miss(keys[n:])
+            if n or extends_cached_prefix(extra_info):
+                self.t.persistence.note_continuation(keys[n:])
         return n
 
     def _batch_exist(self, key_strs: List[str]) -> List[int]:

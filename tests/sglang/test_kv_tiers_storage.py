@@ -285,3 +285,14 @@ def test_slow_store_is_measured_and_then_recomputed(backend_factory, monkeypatch
 
     assert REGISTRY.get_sample_value("kllm_kv_tiers_l3_faults_total",
                                      {"reason": "l3_slower_than_recompute"}) >= 1
+
+
+def test_lookup_that_extends_a_cached_prefix_marks_continuations(backend_factory) -> None:
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+
+    b = backend_factory(min_reuse=2)
+    turn1, turn2 = _keys(2, "u1"), _keys(2, "u2")
+    assert b.batch_exists(turn1, HiCacheStorageExtraInfo(prefix_keys=[])) == 0  # nothing cached before
+    assert b.batch_set(turn1, _pages(2, 1)) and b.batch_exists(turn1) == 0  # one-off so far: skipped
+    assert b.batch_exists(turn2, HiCacheStorageExtraInfo(prefix_keys=turn1)) == 0  # next turn of a cached prefix
+    assert b.batch_set(turn2, _pages(2, 2)) and b.batch_exists(turn2) == 2  # written at first sighting

@@ -201,3 +201,13 @@ def test_offer_markers_are_shared_through_the_folder(tmp_path) -> None:
     assert a.note_offered(["k1"]) == [False]
     other_ns = FilePageStore(str(tmp_path), "other", 1 << 20)
     assert other_ns.note_offered(["k3"]) == [False]
+
+
+def test_continuations_are_admitted_at_first_sighting_and_bear_pressure() -> None:
+    p = PersistencePolicy(min_reuse=2)
+    p.note_continuation(["c1", "c2"])
+    assert p.admit(["c1", "c2", "x"], 0.0, 0.0).admitted == 2  # "x" is no continuation: first sighting
+    assert p.counter.count("x") == 1
+    p.note_continuation(["c3"])
+    assert p.admit(["c3"], 0.95, 0.0).admitted == 0  # a full store doubles the bar for continuations too
+    assert p.admit(["c3"], 0.95, 0.0).admitted == 1

@@ -7,6 +7,8 @@ evicted and recomputed, or looked up in L3 and missed. That is second-hit admiss
 caches do it), with the bar raised under pressure:
 
 A lookup miss counts as a sighting only for a page offered before (see `note_lookup_miss`).
+Pages of a request that extends a cached prefix are admitted at their first sighting
+(`note_continuation`): conversations come back, one-off prompts mostly do not.
 
 - capacity pressure: the store is fuller than `fill_high` (every admission evicts something);
 - bandwidth pressure: the writer was busy more than `busy_high` of the recent wall time.
@@ -107,6 +109,7 @@ class PersistencePolicy:
         self.busy_high = busy_high
         self.pressure_factor = pressure_factor
         self.counter = ReuseCounter(max_keys)
+        self.continuations = ReuseCounter(max_keys)
 
     def threshold(self, fill: float, busy: float) -> int:
         t = self.min_reuse
@@ -124,6 +127,14 @@ class PersistencePolicy:
             if self.counter.count(key):
                 self.counter.see(key)
 
+    def note_continuation(self, keys: list[str]) -> None:
+        """Pages about to be computed for a request that extends a cached prefix (a conversation's
+        next turn, a shared system prompt's user part): admitted at their first sighting, since a
+        request that itself reused a prefix is the kind whose pages come back. Pages of requests
+        that reuse nothing still need `min_reuse` sightings."""
+        for key in keys:
+            self.continuations.see(key)
+
     def note_remote_sightings(self, keys: list[str], seen_elsewhere: list[bool]) -> None:
         """Pages another instance sharing the store offered before (and this one never saw): a
         sighting each, so that a page seen once on each of two instances is a second sighting."""
@@ -134,10 +145,13 @@ class PersistencePolicy:
     def admit(self, keys: list[str], fill: float, busy: float) -> Admission:
         """Record a write attempt of `keys` (a sighting each) and return the leading run to write."""
         t = self.threshold(fill, busy)
-        counts = [self.counter.see(k) for k in keys]
+        t_cont = max(1, t // self.min_reuse)  # the pressure factors still apply
         n = 0
-        for c in counts:
-            if c < t:
+        for k in keys:
+            c = self.counter.see(k)
+            if c < (t_cont if self.continuations.count(k) else t):
                 break
             n += 1
+        for k in keys[n + 1:]:  # sightings of the pages after the cut still count
+            self.counter.see(k)
         return Admission(n, t)
