@@ -94,6 +94,8 @@ def measure(url: str, mix: Mix, n_cal: int) -> dict[str, float]:
     for name, n in (("lo", mix.long_min), ("hi", mix.long_max)):
         solo[f"long_{name}_tokens"] = float(n)
         solo[f"long_{name}_ttft_s"] = run_jobs(url, [Job(f"cal-l{name}", 0.0, rand_ids(rng, n), 16, "long")])[0].ttft_s
+    if n_cal <= 0:
+        return solo
     burst = make_trace(mix, n_cal, 0.0, 999, prefix="cal-")
     t0 = time.perf_counter()
     run_jobs(url, burst)
@@ -149,6 +151,8 @@ def main() -> None:
     ap.add_argument("--fair-env", nargs="*", default=[], help="KLLM_FAIR_SCHED_*=value for the fair_sched server")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "fair_sched.json"))
     ap.add_argument("--plot", default="", help="default: benchmarks/results/fair_sched_<mix>.png")
+    ap.add_argument("--baseline-json", default="", help="reuse the other policies' runs of this mix from an earlier "
+                    "results file (same seeds and rates: pass its capacity with --capacity)")
     ap.add_argument("--settle-s", type=float, default=0.0, help="first wait up to this long for the CPU to go idle")
     ap.add_argument("--no-record", action="store_true")
     ap.add_argument("--no-results-md", action="store_true", help="write JSON and plot but no RESULTS.md row")
@@ -172,7 +176,7 @@ def main() -> None:
         for name, srv in servers.items():
             warm_up(srv.base_url, name)
         cal_srv = servers.get("fcfs") or next(iter(servers.values()))
-        cal = measure(cal_srv.base_url, mix, args.cal_requests)
+        cal = measure(cal_srv.base_url, mix, 0 if args.capacity else args.cal_requests)
         if args.capacity:
             cal["capacity_req_s"] = args.capacity
         cal["machine_loadavg_1m"] = os.getloadavg()[0]
@@ -210,9 +214,23 @@ def main() -> None:
                           f"thr={row['throughput_req_s']:.2f} loadavg={row['machine_loadavg_1m']:.1f} "
                           f"cached={row['cached_prompt_tokens']} "
                           f"{row.get('fair_sched_counters', '')}", flush=True)
+    baseline_command = ""
+    if args.baseline_json:
+        with open(args.baseline_json, encoding="utf-8") as fh:
+            old = json.load(fh)
+        baseline_command = old["mixes"][mix.name]["command"]
+        req_file = os.path.join(os.path.dirname(args.baseline_json), old["mixes"][mix.name]["requests_file"])
+        with open(req_file, encoding="utf-8") as fh:
+            old_requests = json.load(fh)
+        for r in old["runs"]:
+            if r.get("mix") == mix.name and r["policy"] not in args.policies and r["load"] in args.loads \
+                    and r["seed"] < args.seeds and abs(r["rate_req_s"] - r["load"] * cal["capacity_req_s"]) < 1e-6:
+                key = f"{r['policy']}@{r['load']}/s{r['seed']}"
+                runs.append(dict(r, key=key, baseline_from=baseline_command))
+                requests[key] = old_requests[key]
     for r in runs:
         base = f"fcfs@{r['load']}/s{r['seed']}"
-        if base in outputs and r["policy"] != "fcfs":
+        if base in outputs and r["key"] in outputs and r["policy"] != "fcfs":
             a, b = outputs[r["key"]], outputs[base]
             r["outputs_identical_to_fcfs"] = sum(a[k] == b.get(k) for k in a) / len(a)
     text = table(runs, args.loads)
@@ -224,7 +242,13 @@ def main() -> None:
     from kllm_plugins.plugins.fair_sched.core import max_stretch_bound
 
     env_cfg = {kv.split("=", 1)[0].removeprefix("KLLM_FAIR_SCHED_").lower(): kv.split("=", 1)[1] for kv in args.fair_env}
-    cfg = FairSchedConfig(**{k: type(getattr(FairSchedConfig(), k))(v) for k, v in env_cfg.items()})
+    from kllm_plugins.spec import parse_bool
+
+    def typed(k: str, v: str) -> Any:
+        default = getattr(FairSchedConfig(), k)
+        return parse_bool(v) if isinstance(default, bool) else type(default)(v)
+
+    cfg = FairSchedConfig(**{k: typed(k, v) for k, v in env_cfg.items()})
     k_bound = max_stretch_bound(mix.long_min, mix.long_max, cfg.quota_params(args.chunk))
     stretch = max((r["long_ttft_over_solo"]["max"] for r in runs if r["policy"] == "fair_sched"), default=float("nan"))
     text += f"\nstarvation bound K = {k_bound:.2f} (fair_sched config {env_cfg or 'defaults'}); measured max long TTFT/solo: {stretch:.2f}"
@@ -232,7 +256,7 @@ def main() -> None:
     plot_path = args.plot or os.path.join(ROOT, "benchmarks", "results", f"fair_sched_{mix.name}.png")
     if args.no_record:
         return
-    meta = {"calibration": cal, "fair_env": env_cfg, "stretch_bound_k": k_bound, "dtype": args.dtype,
+    meta = {"calibration": cal, "fair_env": env_cfg, "baseline_from": baseline_command, "stretch_bound_k": k_bound, "dtype": args.dtype,
             "requests_file": f"fair_sched_{mix.name}_requests.json"}
     write_json(args.out, mix.name, command, meta, runs)
     with open(os.path.join(os.path.dirname(args.out), meta["requests_file"]), "w", encoding="utf-8") as fh:
