@@ -140,7 +140,7 @@ def main() -> None:
     if args.no_record:
         return
     command = " ".join(["python", *sys.argv])
-    merge_results("scaling_real", rows, command)
+    merge_results("scaling", rows, command, keep=lambda r: r.get("simulated"))
     summary = "; ".join(f"{r['setup']}: {r['slo_attainment']:.3f} (phases "
                         f"{', '.join(str(p['attainment']) for p in r['per_phase'])}), {r['instance_seconds']:.0f} "
                         f"instance-s, {r['requests']} req, decisions {r['scale_decisions']}" for r in rows)

@@ -51,6 +51,7 @@ class Inst:
     batch: list[Req] = field(default_factory=list)
     draining: bool = False
     group: int = -1
+    switch_to: Role | None = None
 
     def backlog(self) -> int:
         return sum(r.left for r in self.queue)
@@ -76,7 +77,8 @@ def trace(seed: int, duration: float) -> list[Req]:
 
 
 def simulate(reqs: list[Req], setup: str, groups: int, start_delay: float, policy: ScalePolicy,
-             initial: int = 2, interval: float = 5.0) -> dict[str, Any]:
+             initial: int = 2, interval: float = 5.0, role_switch: bool = False,
+             switch_delay: float = 2.0) -> dict[str, Any]:
     insts: list[Inst] = []
     if setup == "fixed":
         for g in range(groups):
@@ -129,26 +131,43 @@ def simulate(reqs: list[Req], setup: str, groups: int, start_delay: float, polic
         inst_seconds += DT * len(insts)  # starting instances cost too
         if setup == "pools" and now >= next_ctl:
             next_ctl = now + interval
-            for role in (Role.PREFILL, Role.DECODE):
-                members = [i for i in insts if i.role is role and not i.draining]
-                q = ttft_recent[Role.PREFILL]
-                while q and q[0][0] < now - 30:
-                    q.popleft()
-                ready = members  # starting instances count, with no work yet, as in the router
+            q = ttft_recent[Role.PREFILL]
+            while q and q[0][0] < now - 30:
+                q.popleft()
+
+            def pool(role: Role) -> tuple[list[Inst], PoolLoad]:
+                # starting instances (and those switching in) count, with no work yet, as in the router
+                members = [i for i in insts if (i.role is role and not i.draining) or i.switch_to is role]
                 if role is Role.PREFILL:
-                    pred = sum(i.backlog() + 2000 for i in ready) / len(ready) / PREFILL_TOK_S
+                    pred = sum(i.backlog() + 2000 for i in members) / len(members) / PREFILL_TOK_S
                     actual = sum(v for _, v in q) / len(q) if q else 0.0
-                    load = PoolLoad(pred, actual, TTFT_TARGET, len(members), floor=2000 / PREFILL_TOK_S)
-                else:
-                    pred = sum(TPOT0 * (1 + (len(i.batch) + 1) / KNEE) for i in ready) / len(ready)
-                    load = PoolLoad(pred, 0.0, TPOT_TARGET, len(members), floor=TPOT0 * (1 + 1 / KNEE))
+                    return members, PoolLoad(pred, actual, TTFT_TARGET, len(members), floor=2000 / PREFILL_TOK_S)
+                pred = sum(TPOT0 * (1 + (len(i.batch) + 1) / KNEE) for i in members) / len(members)
+                return members, PoolLoad(pred, 0.0, TPOT_TARGET, len(members), floor=TPOT0 * (1 + 1 / KNEE))
+
+            for role in (Role.PREFILL, Role.DECODE):
+                members, load = pool(role)
                 d = deciders[role].decide(load, len(members), now)
                 if d.action == "up":
-                    insts += [Inst(role, now + start_delay) for _ in range(d.count)]
+                    other = Role.DECODE if role is Role.PREFILL else Role.PREFILL
+                    lent = 0
+                    while role_switch and lent < d.count:
+                        o_members, o_load = pool(other)
+                        idle = [i for i in o_members if i.ready_at <= now and i.switch_to is None]
+                        if not idle or not deciders[other].spare(o_load, len(o_members)):
+                            break
+                        victim = min(idle, key=lambda i: len(i.batch) + len(i.queue))
+                        victim.draining, victim.switch_to = True, role  # drains, then flips (below)
+                        lent += 1
+                    insts += [Inst(role, now + start_delay) for _ in range(d.count - lent)]
                 elif d.action == "down":
-                    victim = min((i for i in members if i.ready_at <= now), key=lambda i: len(i.batch) + len(i.queue))
+                    victim = min((i for i in members if i.ready_at <= now and i.switch_to is None),
+                                 key=lambda i: len(i.batch) + len(i.queue))
                     victim.draining = True
-            insts = [i for i in insts if not (i.draining and not i.queue and not i.batch)]
+            for i in insts:  # a drained instance that is switching joins the other pool after the flip
+                if i.switch_to is not None and not i.queue and not i.batch:
+                    i.role, i.switch_to, i.draining, i.ready_at = i.switch_to, None, False, now + switch_delay
+            insts = [i for i in insts if not (i.draining and i.switch_to is None and not i.queue and not i.batch)]
         timeline.append((now, sum(1 for i in insts if i.role is Role.PREFILL),
                          sum(1 for i in insts if i.role is Role.DECODE)))
         now += DT
@@ -181,6 +200,9 @@ def main() -> None:
     ap.add_argument("--urgent-load", type=float, default=1.5)
     ap.add_argument("--initial", type=int, default=3, help="pool sizes at t=0 (3 = the 3x(1P1D) start)")
     ap.add_argument("--interval-s", type=float, default=5.0, help="controller period")
+    ap.add_argument("--role-switch", action="store_true",
+                    help="pools lend idle instances to each other (SGLang /pd_role_switch) before starting new ones")
+    ap.add_argument("--switch-delay-s", type=float, default=2.0, help="time a drained instance takes to flip")
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args()
     policy = ScalePolicy(up_load=args.up_load, down_load=args.down_load, up_sustain_s=args.up_sustain_s,
@@ -193,7 +215,8 @@ def main() -> None:
             rows.append(dict(simulate([Req(r.t, r.inp, r.out, left=r.inp) for r in reqs], "fixed", g,
                                       args.start_delay_s, policy), seed=seed))
         rows.append(dict(simulate([Req(r.t, r.inp, r.out, left=r.inp) for r in reqs], "pools", 0,
-                                  args.start_delay_s, policy, initial=args.initial, interval=args.interval_s),
+                                  args.start_delay_s, policy, initial=args.initial, interval=args.interval_s,
+                                  role_switch=args.role_switch, switch_delay=args.switch_delay_s),
                          seed=seed))
         for r in rows[-len(args.groups) - 1:]:
             print(json.dumps(r))
@@ -214,7 +237,7 @@ def main() -> None:
     from loadgen import merge_results
 
     command = " ".join(["python", *sys.argv])
-    merge_results("scaling", rows, command)
+    merge_results("scaling", rows, command, keep=lambda r: not r.get("simulated"))
     with open("benchmarks/RESULTS.md", "a", encoding="utf-8") as fh:
         fh.write(f"| bigpd_router | SIMULATION: shifting trace (decode-heavy, prefill-heavy, quiet; "
                  f"{args.duration_s:.0f} s), seeds {args.seeds} (held out from the policy choice), "

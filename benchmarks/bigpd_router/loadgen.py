@@ -117,8 +117,10 @@ def py() -> str:
 
 
 def merge_results(key: str, rows: list[dict[str, Any]], command: str,
-                  path: str = "benchmarks/results/bigpd_router.json") -> None:
-    """Put one part (overhead, scaling, routing) into the plugin's combined results file."""
+                  path: str = "benchmarks/results/bigpd_router.json", keep: Any = None) -> None:
+    """Put one part (overhead, scaling, routing) into the plugin's combined results file.
+    `keep(row)`: rows of the part already there that stay (e.g. the simulated ones when the
+    real-server run writes its own into the same "scaling" list)."""
     import json
 
     data: dict[str, Any] = {}
@@ -126,10 +128,10 @@ def merge_results(key: str, rows: list[dict[str, Any]], command: str,
         with open(path, encoding="utf-8") as fh:
             data = json.load(fh)
     commands = dict(data.get("commands", {}))
-    commands[key] = command
+    commands[key if keep is None else f"{key}:{rows[0].get('simulated') if rows else ''}"] = command
     data["commands"] = commands
     data["command"] = " && ".join(commands[k] for k in sorted(commands))
-    data[key] = rows
+    data[key] = ([r for r in data.get(key, []) if keep(r)] if keep else []) + rows
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w", encoding="utf-8") as fh:
         json.dump(data, fh, indent=1)

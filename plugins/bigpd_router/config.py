@@ -48,6 +48,9 @@ class RouterConfig:
     scale_urgent_load: float = 0.0
     """Predicted Load (backlog over measured rates) above which a pool scales up without waiting for
     scale_up_sustain_s (0: off)."""
+    scale_role_switch: bool = False
+    """Meet a PD pool's shortage by flipping an idle instance of the other pool (SGLang's
+    /pd_role_switch; instances need --enable-pd-role-switch) before starting a new one."""
     scale_down_load: float = 0.4
     """Scale a pool down when its SLO Load (as it would be with one instance fewer) stays below this."""
     scale_up_sustain_s: float = 10.0

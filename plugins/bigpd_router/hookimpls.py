@@ -11,7 +11,7 @@ import dataclasses
 
 from kllm_plugins.hookspecs import hookimpl
 from kllm_plugins.plugins.bigpd_router.config import POLICIES, RouterConfig
-from kllm_plugins.spec import OptionSpec, PatchSpec, PluginSpec
+from kllm_plugins.spec import OptionSpec, PatchSpec, PluginSpec, parse_bool
 
 ADAPTER = "kllm_plugins.plugins.bigpd_router.sglang_adapter"
 
@@ -35,6 +35,7 @@ _HELP = {
     "scale_interval_s": "seconds between scaling decisions (0: controller off)",
     "scale_up_load": "SLO Load above which a pool scales up",
     "scale_urgent_load": "predicted Load above which a pool scales up at once, without the sustain (0: off)",
+    "scale_role_switch": "lend idle instances between the prefill and decode pools via /pd_role_switch",
     "scale_down_load": "SLO Load (with one instance fewer) below which a pool scales down",
     "scale_up_sustain_s": "how long Load must stay high before scaling up",
     "scale_down_sustain_s": "how long Load must stay low before scaling down",
@@ -49,7 +50,7 @@ def _options() -> tuple[OptionSpec, ...]:
     out = []
     for f in dataclasses.fields(RouterConfig):
         default = f.default
-        typ = type(default)
+        typ = parse_bool if isinstance(default, bool) else type(default)
         out.append(OptionSpec(f.name, typ, default, _HELP[f.name],
                               choices=POLICIES if f.name == "policy" else None))
     return tuple(out)

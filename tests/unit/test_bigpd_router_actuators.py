@@ -216,3 +216,36 @@ def test_router_discovers_ready_pods_through_the_kubernetes_actuator(
             await router.stop()
 
     asyncio.run(asyncio.wait_for(go(), 30))
+
+
+def test_local_process_actuator_switches_roles_through_the_instance_api() -> None:
+    import asyncio
+
+    from aiohttp import web
+
+    from kllm_plugins.plugins.bigpd_router.service.fake_backend import FakeBackend
+
+    fb = FakeBackend(role="decode")
+
+    async def go() -> None:
+        runner = web.AppRunner(fb.app())
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        try:
+            act = LocalProcessActuator("unused", role_switch=True)
+            assert await asyncio.to_thread(act.switch, url, Role.DECODE, Role.PREFILL)
+            assert fb.role == "prefill"
+            fb.running = 1  # busy: SGLang refuses, and so does the actuator
+            assert not await asyncio.to_thread(act.switch, url, Role.PREFILL, Role.DECODE)
+            assert fb.role == "prefill"
+            assert not await asyncio.to_thread(LocalProcessActuator("unused").switch, url, Role.PREFILL, Role.DECODE)
+            # instances it starts get the flag (and a bootstrap port) only when switching is on
+            cmd = act.command(Role.DECODE, 1, 2)
+            assert "--enable-pd-role-switch" in cmd
+            assert "--enable-pd-role-switch" not in LocalProcessActuator("m").command(Role.DECODE, 1, None)
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(go())

@@ -427,6 +427,59 @@ def test_controller_adds_then_drains_before_removing() -> None:
     assert d0.health is Health.HEALTHY and p0.health is Health.HEALTHY
 
 
+class SwitchingActuator(FakeActuator):
+    def __init__(self, ok: bool = True) -> None:
+        super().__init__()
+        self.ok = ok
+        self.switched: list[tuple[str, Role, Role]] = []
+
+    def switch(self, url: str, old: Role, new: Role) -> bool:
+        self.switched.append((url, old, new))
+        return self.ok
+
+
+def test_controller_lends_an_idle_instance_across_pools_by_switching_its_role() -> None:
+    clock = Clock()
+    reg = Registry()
+    act = SwitchingActuator()
+    loads = {Role.PREFILL: 2.0, Role.DECODE: 0.1}  # prefill overloaded, decode idle
+    ctl = ScalingController(reg, act, POLICY, lambda r: pl(loads[r], max(1, ctl.size(r))),
+                            (Role.PREFILL, Role.DECODE), clock=clock, role_switch=True)
+    reg.add(healthy("http://p0:1", Role.PREFILL))
+    reg.add(healthy("http://d0:1", Role.DECODE))
+    d1 = reg.add(healthy("http://d1:1", Role.DECODE))
+    d1.in_flight = 1  # busier: the idle d0 is lent
+    for _ in range(4):  # sustain, then lend (drain starts), then the drained instance switches
+        ctl.step()
+        clock.t += 5
+    assert act.added == [] and act.switched == [("http://d0:1", Role.DECODE, Role.PREFILL)]
+    moved = reg.get("http://d0:1")
+    assert moved is not None and moved.role is Role.PREFILL and moved.health is Health.STARTING
+    assert ctl.size(Role.PREFILL) == 2 and ctl.size(Role.DECODE) == 1
+    # the decode pool is at its minimum now: the next shortage is met by starting an instance
+    clock.t += 100
+    ctl.step()
+    assert act.added == [Role.PREFILL] and len(act.switched) == 1
+
+
+def test_a_failed_switch_returns_the_instance_to_its_pool() -> None:
+    clock = Clock()
+    reg = Registry()
+    act = SwitchingActuator(ok=False)
+    loads = {Role.PREFILL: 2.0, Role.DECODE: 0.1}
+    ctl = ScalingController(reg, act, POLICY, lambda r: pl(loads[r], max(1, ctl.size(r))),
+                            (Role.PREFILL, Role.DECODE), clock=clock, role_switch=True)
+    reg.add(healthy("http://p0:1", Role.PREFILL))
+    reg.add(healthy("http://d0:1", Role.DECODE))
+    reg.add(healthy("http://d1:1", Role.DECODE))
+    for _ in range(4):
+        ctl.step()
+        clock.t += 5
+    assert len(act.switched) == 1
+    back = reg.get(act.switched[0][0])
+    assert back is not None and back.role is Role.DECODE and not ctl.switching
+
+
 def test_controller_drain_times_out() -> None:
     clock = Clock()
     reg = Registry()

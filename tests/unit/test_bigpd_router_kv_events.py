@@ -204,3 +204,11 @@ def test_kv_events_off_means_no_subscription() -> None:
         async with cluster(backends, RouterConfig(kv_events=False, loads_interval_s=0)) as (router, _r, _u):
             assert not router.kv_feed._tasks and not router.kv_index.active
     run(go)
+
+
+def test_kv_events_option_parses_booleans_from_cli_and_environment() -> None:
+    from kllm_plugins.plugins.bigpd_router.service.cli import build_parser, config_from
+
+    assert config_from(build_parser().parse_args(["--kv-events", "false"]), environ={}).kv_events is False
+    assert config_from(build_parser().parse_args([]), environ={"KLLM_BIGPD_ROUTER_KV_EVENTS": "0"}).kv_events is False
+    assert config_from(build_parser().parse_args([]), environ={}).kv_events is True

@@ -6,6 +6,7 @@ children too, and stops it (SIGTERM, then SIGKILL after a grace period) when rem
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shlex
@@ -44,6 +45,9 @@ class LocalProcessActuator:
     python: str = sys.executable
     module: str = "sglang.launch_server"
     """The server module run with `python -m` (tests put the router's fake backend here)."""
+    role_switch: bool = False
+    """Start PD instances with --enable-pd-role-switch (and a bootstrap port each), so `switch` can
+    flip an idle one between prefill and decode."""
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     bootstrap_ports: dict[str, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -53,11 +57,13 @@ class LocalProcessActuator:
                "--host", self.host, "--port", str(port), *self.common_args, *self.role_args.get(role, ())]
         if bootstrap_port is not None:
             cmd += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
+        if self.role_switch and role is not Role.PLAIN:
+            cmd.append("--enable-pd-role-switch")
         return cmd
 
     def add(self, role: Role) -> str:
         port = free_port(self.host)
-        boot = free_port(self.host) if role is Role.PREFILL else None
+        boot = free_port(self.host) if role is Role.PREFILL or (self.role_switch and role is Role.DECODE) else None
         cmd = self.command(role, port, boot)
         url = f"http://{self.host}:{port}"
         out = subprocess.DEVNULL
@@ -84,6 +90,21 @@ class LocalProcessActuator:
             return
         _stop_group(proc, self.stop_grace_s)
         log.info("stopped instance url=%s rc=%s", url, proc.returncode)
+
+    def switch(self, url: str, old: Role, new: Role, timeout_s: float = 60.0) -> bool:
+        """Flip an idle instance's PD role through SGLang's POST /pd_role_switch."""
+        if not self.role_switch or old is Role.PLAIN or new is Role.PLAIN:
+            return False
+        req = urllib.request.Request(url + "/pd_role_switch", data=json.dumps({"new_role": new.value}).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as r:
+                ok = r.status == 200
+        except OSError as exc:
+            log.warning("role switch of %s refused: %s", url, exc)
+            return False
+        log.info("switched instance url=%s %s->%s ok=%s", url, old.value, new.value, ok)
+        return ok
 
     def alive(self, url: str) -> bool:
         proc = self.procs.get(url)

@@ -35,6 +35,11 @@ class Actuator(Protocol):
         """Stop the (drained) instance at `url`."""
 
 
+COUNTERPART = {Role.PREFILL: Role.DECODE, Role.DECODE: Role.PREFILL}
+"""An actuator may also offer `switch(url, old_role, new_role) -> bool`: flip an idle instance
+between the PD pools (SGLang's /pd_role_switch) instead of stopping one and starting another."""
+
+
 @dataclass(frozen=True)
 class ScalePolicy:
     up_load: float = 0.9
@@ -86,6 +91,16 @@ class PoolDecider:
         self.role = role
         self.policy = policy
         self.state = _PoolState()
+
+    def spare(self, load: PoolLoad, size: int) -> bool:
+        """Could the pool give one instance away now (the "low" test of a scale-down, without the
+        sustain)? Used to lend an instance to the other PD pool by switching its role."""
+        p = self.policy
+        if size <= p.min_instances:
+            return False
+        after_down = load.load_with(size - 1)
+        down_at = max(p.down_load, (min(load.floor_load, p.up_load) + p.up_load) / 2)
+        return after_down < down_at or after_down - load.floor_load < MIN_EXCESS / 2
 
     def decide(self, load: PoolLoad, size: int, now: float) -> Decision:
         p, st = self.policy, self.state
@@ -139,7 +154,10 @@ class ScalingController:
 
     def __init__(self, registry: Registry, actuator: Actuator, policy: ScalePolicy,
                  pool_load: Callable[[Role], PoolLoad], roles: tuple[Role, ...],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, role_switch: bool = False) -> None:
+        self.role_switch = role_switch and callable(getattr(actuator, "switch", None))
+        self.switching: dict[str, Role] = {}
+        """Instances draining before a role switch -> the pool they will join."""
         self.registry = registry
         self.actuator = actuator
         self.policy = policy
@@ -149,8 +167,9 @@ class ScalingController:
         self.decisions: list[Decision] = []
 
     def size(self, role: Role) -> int:
-        """Members counted for scaling: healthy and starting ones, not draining or dead ones."""
-        return sum(1 for i in self.registry.pool(role) if i.health in (Health.HEALTHY, Health.STARTING))
+        """Members counted for scaling: healthy and starting ones, and those switching into the pool."""
+        return sum(1 for i in self.registry.pool(role) if i.health in (Health.HEALTHY, Health.STARTING)) + sum(
+            1 for r in self.switching.values() if r is role)
 
     def finish_drains(self) -> list[str]:
         """Stop drained instances whose in-flight work is done (or whose drain timed out)."""
@@ -164,10 +183,44 @@ class ScalingController:
                 if timed_out and inst.in_flight:
                     log.warning("drain timed out url=%s in_flight=%d", inst.url, inst.in_flight)
                 self.registry.remove(inst.url)
+                target = self.switching.pop(inst.url, None)
+                if target is not None:
+                    self._switch(inst, target)
+                    continue
                 if inst.managed:
                     self.actuator.remove(inst.url, inst.role)
                 stopped.append(inst.url)
         return stopped
+
+    def _switch(self, inst: Instance, target: Role) -> None:
+        """The drained instance flips role and joins the other pool (as STARTING: the health loop
+        re-reads its role and bootstrap port); if the flip fails it rejoins its own pool."""
+        ok = False
+        try:
+            ok = bool(self.actuator.switch(inst.url, inst.role, target))  # type: ignore[attr-defined]
+        except Exception:  # noqa: BLE001 - an actuator failure must not stop the controller
+            log.exception("role switch failed url=%s", inst.url)
+        role = target if ok else inst.role
+        log.info("role switch url=%s %s->%s ok=%s", inst.url, inst.role.value, target.value, ok)
+        self.registry.add(Instance(url=inst.url, role=role, managed=inst.managed,
+                                   capacity_tokens=inst.capacity_tokens))
+
+    def _lend(self, role: Role, count: int, now: float) -> int:
+        """Take up to `count` instances from the counterpart pool while it has one to spare."""
+        other = COUNTERPART.get(role)
+        lent = 0
+        if not self.role_switch or other is None or other not in self.deciders:
+            return 0
+        while lent < count and self.deciders[other].spare(self.pool_load(other), self.size(other)):
+            ready = [i for i in self.registry.pool(other) if i.health is Health.HEALTHY]
+            if not ready:
+                break
+            victim = min(ready, key=lambda i: (i.in_flight, -i.joined_at))  # the idlest drains fastest
+            self.registry.start_drain(victim.url, now)
+            self.switching[victim.url] = role
+            log.info("lend role=%s->%s drain=%s", other.value, role.value, victim.url)
+            lent += 1
+        return lent
 
     def pick_victim(self, role: Role) -> Instance | None:
         members = [i for i in self.registry.pool(role) if i.health in (Health.HEALTHY, Health.STARTING)]
@@ -185,7 +238,7 @@ class ScalingController:
         for role, decider in self.deciders.items():
             d = decider.decide(self.pool_load(role), self.size(role), now)
             if d.action == "up":
-                for _ in range(d.count):
+                for _ in range(d.count - self._lend(role, d.count, now)):
                     url = self.actuator.add(role)
                     if url is not None and url not in self.registry:
                         self.registry.add(Instance(url=url, role=role, managed=True))

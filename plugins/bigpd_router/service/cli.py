@@ -75,7 +75,8 @@ def make_actuator(args: argparse.Namespace) -> Actuator | None:
         pd = ["--disaggregation-transfer-backend", args.local_pd_backend]
         return LocalProcessActuator(args.local_model_path, shlex.split(args.local_args),
                                     {Role.PREFILL: ["--disaggregation-mode", "prefill", *pd],
-                                     Role.DECODE: ["--disaggregation-mode", "decode", *pd]})
+                                     Role.DECODE: ["--disaggregation-mode", "decode", *pd]},
+                                    role_switch=config_from(args).scale_role_switch)
     if args.actuator == "kubernetes":
         from kllm_plugins.plugins.bigpd_router.actuators.kubernetes_scale import (
             KubernetesActuator,

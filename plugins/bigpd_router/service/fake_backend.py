@@ -55,6 +55,7 @@ class FakeBackend:
         app.router.add_get("/server_info", self.server_info)
         app.router.add_get("/v1/loads", self.loads)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/pd_role_switch", self.role_switch)
         app.router.add_post("/generate", self.gen)
         app.router.add_post("/v1/completions", self.gen)
         app.router.add_post("/v1/chat/completions", self.gen)
@@ -76,6 +77,14 @@ class FakeBackend:
                                              "num_waiting_uncached_tokens": 0, "num_used_tokens": 0,
                                              "max_total_num_tokens": self.capacity_tokens,
                                              "gen_throughput": 0.0}]})
+
+    async def role_switch(self, request: web.Request) -> web.Response:
+        """Like SGLang's: flips prefill<->decode, refused while requests run or for a plain server."""
+        new = (await request.json()).get("new_role")
+        if self.role not in ("prefill", "decode") or new not in ("prefill", "decode") or self.running:
+            return web.json_response({"success": False, "message": "refused"}, status=400)
+        old, self.role = self.role, new
+        return web.json_response({"success": True, "old_role": old, "new_role": new})
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "fake", "object": "model"}]})

@@ -176,7 +176,7 @@ class Proxy:
             pticket = Ticket(prefill, ptoks, backlog_tokens(prefill))
             prefill_task = asyncio.create_task(self._prefill_side(prefill, path, rid, dumps(fields), auth, pticket))
             r.background.add(prefill_task)
-            prefill_task.add_done_callback(r.background.discard)
+            prefill_task.add_done_callback(self._prefill_finished)
             ticket = Ticket(inst, 0, 0)
         else:
             ticket = Ticket(inst, ptoks, backlog_tokens(inst))
@@ -211,6 +211,11 @@ class Proxy:
             ticket.finish()
             if pticket is not None and prefill_task is not None and prefill_task.done():
                 pticket.finish()
+
+    def _prefill_finished(self, task: asyncio.Task[None]) -> None:
+        self.r.background.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # retrieved: no "never retrieved" noise
+            log.debug("prefill side failed: %s", task.exception())
 
     async def _prefill_side(self, prefill: Instance, path: str, rid: str, body: bytes, auth: str | None,
                             ticket: Ticket) -> None:

@@ -60,7 +60,8 @@ class Router:
             policy = ScalePolicy(cfg.scale_up_load, cfg.scale_down_load, cfg.scale_up_sustain_s,
                                  cfg.scale_down_sustain_s, cfg.scale_cooldown_s, cfg.min_instances,
                                  cfg.max_instances, cfg.drain_timeout_s, cfg.scale_urgent_load)
-            self.controller = ScalingController(self.registry, actuator, policy, self.pool_load, scaled_roles)
+            self.controller = ScalingController(self.registry, actuator, policy, self.pool_load, scaled_roles,
+                                                role_switch=cfg.scale_role_switch)
         self.registry.subscribe(self._on_registry_event)
         self.session: aiohttp.ClientSession | None = None
         """For probes and the background loops; the request path uses `proxy.pool`."""
