@@ -24,9 +24,9 @@ class FairSchedConfig:
     """Fraction of the pass budget the active long request keeps when it runs."""
     one_chunk_tokens: int = 0
     """Uncached prompt tokens up to which a request counts as one-chunk; 0: one budget."""
-    decode_every_chunks: int = 0
+    decode_every_chunks: int = 2
     """While requests decode, a long prefill sits out one pass (a decode step) after this many chunks; 0: never."""
-    mixed_decode: bool = True
+    mixed_decode: bool = False
     """Running requests decode one token inside every prefill pass (SGLang's mixed chunk), so prefills never stall them."""
     kv_high_watermark: float = 0.95
     """KV usage at which admission of new requests stops (1.0: only when full)."""

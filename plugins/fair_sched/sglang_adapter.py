@@ -188,7 +188,9 @@ def around_get_new_batch_prefill_raw(original: Callable[..., Any], self: Any, *a
     mixing = bool(getattr(self, "is_mixed_chunk", False))
     # Decode rows riding along a mixed pass take one budget token each (PrefillAdder does the same).
     budget = int(self.chunked_prefill_size) - len(running_batch.reqs) if mixing and running_batch is not None else None
-    plan = pol.plan(_items(self.waiting_queue), decode_running, budget) if cr is not None else PassPlan("admit")
+    # While the gate is closed nothing new is admitted, so there is nobody to yield to or reserve for.
+    waiting = _items(self.waiting_queue) if st.admit else []
+    plan = pol.plan(waiting, decode_running, budget) if cr is not None else PassPlan("admit")
     st.pass_budget = budget
     if plan.action == "yield":
         st.counters[f"yields_to_{plan.yield_to}"] += 1
