@@ -1,14 +1,19 @@
 """End to end: cross-instance prefix reuse through a shared L3, two real SGLang servers at once.
 
 Servers A and B share one L3: the plugin's file store on one folder, or the plugin's Mooncake
-backend on one test-started master. A prompt prefilled on A is written to L3; the same prompt on
-B (whose L1 and L2 never saw it) is served from L3: cached tokens on B, L3 hits counted in B's
-stats, and the output equal to transformers' greedy output (float32), i.e. to a run without
-tiers. Then the shared store is lost under B (the folder deleted, the Mooncake master killed):
-B keeps serving by recomputing, with the same output, and its log says why.
+backend on one test-started master. A prefix prefilled on one server is served from L3 on the
+other (whose L1 and L2 never saw it): cached tokens there, L3 hits counted in its stats, and the
+output equal to transformers' greedy output (float32), i.e. to a run without tiers. Faults at
+serving level: corrupted pages (file store) and the store lost mid-run (folder deleted, Mooncake
+master killed) leave the output unchanged, and the log says why.
+
+File store, selective persistence (`min_reuse` 2) across instances: A's prefill is the pages'
+first sighting (skipped), B's the second (written by B, through the shared offer markers), and A
+then loads them from L3. L3 store events (medium DISK, B's instance id) arrive on a subscriber.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -17,12 +22,13 @@ import time
 from contextlib import ExitStack
 from typing import Any
 
+import msgspec
 import pytest
 
 from kllm_plugins.models.tiny_llama import tiny_llama_path
 from kllm_plugins.testing.hf_reference import hf_greedy
 from kllm_plugins.testing.kv_tiers import flush, kv_tiers_stats, l3_args, mooncake_available, mooncake_master
-from kllm_plugins.testing.sglang_server import SGLangServer
+from kllm_plugins.testing.sglang_server import SGLangServer, free_port
 
 pytestmark = [pytest.mark.sglang, pytest.mark.e2e]
 
@@ -59,51 +65,115 @@ def _start_both(servers: list[SGLangServer], stack: ExitStack) -> None:
         raise errors[0]
 
 
-@pytest.mark.parametrize("backend", ["kllm_file", "kllm_mooncake"])
-def test_prefix_prefilled_on_a_is_served_from_l3_on_b(backend: str, tmp_path) -> None:
-    if backend == "kllm_mooncake" and not mooncake_available():
+def _servers(args: list[str], env: dict[str, str], stack: ExitStack,
+             extra: dict[str, list[str]] | None = None) -> tuple[SGLangServer, SGLangServer]:
+    a, b = (SGLangServer(tiny_llama_path(), plugins=["kv_tiers"], extra_args=args + (extra or {}).get(name, []),
+                         env={**env, "KLLM_KV_TIERS_INSTANCE_ID": name}, startup_timeout_s=300)
+            for name in ("A", "B"))
+    _start_both([a, b], stack)
+    return a, b
+
+
+def _expect_log(server: SGLangServer, pattern: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not server.grep_log(pattern) and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert server.grep_log(pattern), server.log_tail(20)
+
+
+ARGS = ["--page-size", "16", "--dtype", "float32", "--hicache-storage-prefetch-policy", "wait_complete"]
+ENV = {"KLLM_EXTRA_PLUGINS": "kllm_plugins.plugins.kv_tiers.hookimpls",
+       # the L3 path itself is tested; learned fetch-or-recompute may rightly pick recompute here
+       "KLLM_KV_TIERS_ADAPTIVE_THRESHOLDS": "0"}
+
+
+def test_file_store_shared_by_two_servers(tmp_path) -> None:
+    import zmq
+
+    ref = hf_greedy(tiny_llama_path(), [PROMPT], 6)[0]
+    store = tmp_path / "l3"
+    ports = {"A": free_port(), "B": free_port()}
+    events = {n: ["--kv-events-config", json.dumps({"publisher": "kllm_tiers", "endpoint": f"tcp://127.0.0.1:{p}",
+                                                    "bind": True, "topic": "kv"})] for n, p in ports.items()}
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    for p in ports.values():
+        sub.connect(f"tcp://127.0.0.1:{p}")
+    try:
+        with ExitStack() as stack:
+            a, b = _servers(ARGS + l3_args("kllm_file"),
+                            {**ENV, "KLLM_KV_TIERS_STORE_DIR": str(store), "KLLM_KV_TIERS_MIN_REUSE": "2"},
+                            stack, events)
+            out = a.generate(input_ids=PROMPT, max_new_tokens=6)
+            assert out["output_ids"] == ref and out["meta_info"]["cached_tokens"] == 0
+            assert _wait(a, lambda s: s["pages_skipped"] >= PAGES)["pages_admitted"] == 0  # first sighting
+
+            out = b.generate(input_ids=PROMPT, max_new_tokens=6)
+            assert out["output_ids"] == ref and out["meta_info"]["cached_tokens"] == 0
+            snap_b = _wait(b, lambda s: s["pages_admitted"] >= PAGES)  # second sighting, on B
+            assert snap_b["pages_admitted"] >= PAGES, snap_b
+
+            flush(a.base_url)
+            out = a.generate(input_ids=PROMPT, max_new_tokens=6)  # A loads what B wrote
+            assert out["output_ids"] == ref
+            assert out["meta_info"]["cached_tokens"] >= PAGES * 16, out["meta_info"]
+            snap_a = _wait(a, lambda s: s["store"]["hits"] >= PAGES)
+            assert snap_a["store"]["hits"] >= PAGES and not snap_a["store"]["faults"], snap_a
+
+            files = sorted(store.rglob("*.kvp"))
+            assert len(files) >= PAGES
+            for f in files:  # corrupt every page
+                raw = bytearray(f.read_bytes())
+                raw[-1] ^= 0xFF
+                f.write_bytes(bytes(raw))
+            flush(a.base_url)
+            out = a.generate(input_ids=PROMPT, max_new_tokens=6)
+            assert out["output_ids"] == ref and out["meta_info"]["cached_tokens"] < PAGES * 16
+            assert _wait(a, lambda s: s["store"]["faults"].get("corrupt", 0) >= 1)["store"]["faults"]["corrupt"] >= 1
+            _expect_log(a, r"kv_tiers file store: page \w+ refused \(corrupt")
+
+            shutil.rmtree(store)  # the store lost mid-run
+            flush(a.base_url)
+            out = a.generate(input_ids=PROMPT, max_new_tokens=6)
+            assert out["output_ids"] == ref
+            _expect_log(a, r"kv_tiers file store .* was missing; recreated it")
+
+            stored: list[dict[str, Any]] = []
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and not stored:
+                if sub.poll(500):
+                    _topic, _seq, payload = sub.recv_multipart()
+                    stored += [e for e in msgspec.msgpack.decode(payload)[1]
+                               if e.get("medium") == "DISK" and e["type"] == "BlockStored"]
+            assert stored, "no L3 BlockStored event received"
+            assert {e["instance_id"] for e in stored} <= {"A", "B"} and stored[0]["block_hashes"]
+    finally:
+        sub.close(0)
+
+
+def test_mooncake_store_shared_by_two_servers(tmp_path) -> None:
+    if not mooncake_available():
         pytest.skip("mooncake not installed (pip mooncake-transfer-engine-non-cuda)")
     ref = hf_greedy(tiny_llama_path(), [PROMPT], 6)[0]
     with ExitStack() as stack:
-        master = stack.enter_context(mooncake_master()) if backend == "kllm_mooncake" else None
-        args = ["--page-size", "16", "--dtype", "float32", "--hicache-storage-prefetch-policy", "wait_complete",
-                *l3_args(backend, master)]
-        env = {"KLLM_EXTRA_PLUGINS": "kllm_plugins.plugins.kv_tiers.hookimpls",
-               "KLLM_KV_TIERS_STORE_DIR": str(tmp_path / "l3"), "KLLM_KV_TIERS_MIN_REUSE": "1",
-               # the L3 path itself is tested; learned fetch-or-recompute may rightly pick recompute here
-               "KLLM_KV_TIERS_ADAPTIVE_THRESHOLDS": "0"}
-        a, b = (SGLangServer(tiny_llama_path(), plugins=["kv_tiers"], extra_args=args,
-                             env={**env, "KLLM_KV_TIERS_INSTANCE_ID": name}, startup_timeout_s=300)
-                for name in ("A", "B"))
-        _start_both([a, b], stack)
-
-        out_a = a.generate(input_ids=PROMPT, max_new_tokens=6)
-        assert out_a["output_ids"] == ref
-        assert out_a["meta_info"]["cached_tokens"] == 0
-        snap_a = _wait(a, lambda s: s.get("pages_admitted", 0) >= PAGES)
+        master = stack.enter_context(mooncake_master())
+        a, b = _servers(ARGS + l3_args("kllm_mooncake", master), {**ENV, "KLLM_KV_TIERS_MIN_REUSE": "1"}, stack)
+        out = a.generate(input_ids=PROMPT, max_new_tokens=6)
+        assert out["output_ids"] == ref and out["meta_info"]["cached_tokens"] == 0
+        snap_a = _wait(a, lambda s: s["pages_admitted"] >= PAGES)
         assert snap_a["pages_admitted"] >= PAGES, snap_a
 
-        out_b = b.generate(input_ids=PROMPT, max_new_tokens=6)
-        assert out_b["output_ids"] == ref
-        assert out_b["meta_info"]["cached_tokens"] >= PAGES * 16, out_b["meta_info"]
-        snap_b = _wait(b, lambda s: s.get("store", {}).get("hits", 0) >= PAGES)
+        out = b.generate(input_ids=PROMPT, max_new_tokens=6)
+        assert out["output_ids"] == ref
+        assert out["meta_info"]["cached_tokens"] >= PAGES * 16, out["meta_info"]
+        snap_b = _wait(b, lambda s: s["store"]["hits"] >= PAGES)
         assert snap_b["store"]["hits"] >= PAGES and not snap_b["store"]["faults"], snap_b
-        assert snap_b["instance_id"] == "B" and snap_b["backend"] == backend.removeprefix("kllm_")
+        assert snap_b["instance_id"] == "B" and snap_b["backend"] == "mooncake"
         assert [ln for ln in b.grep_log(r"HiCache prefetch success") if f"loaded={PAGES * 16}" in ln]
 
-        # the store is lost mid-run: B recomputes, same output, and says why
-        if master is not None:
-            os.killpg(master["proc"].pid, signal.SIGKILL)
-            master["proc"].wait(timeout=20)
-            why = r"kv_tiers mooncake store: (lookup|read|write) of \d+ pages failed"
-        else:
-            shutil.rmtree(tmp_path / "l3")
-            why = r"kv_tiers file store .* was missing; recreated it"
+        os.killpg(master["proc"].pid, signal.SIGKILL)  # the store lost mid-run
+        master["proc"].wait(timeout=20)
         flush(b.base_url)
-        lost = b.generate(input_ids=PROMPT, max_new_tokens=6)
-        assert lost["output_ids"] == ref
-        assert lost["meta_info"]["cached_tokens"] < PAGES * 16
-        deadline = time.monotonic() + 10
-        while not b.grep_log(why) and time.monotonic() < deadline:
-            time.sleep(0.3)
-        assert b.grep_log(why), b.log_tail(20)
+        out = b.generate(input_ids=PROMPT, max_new_tokens=6)
+        assert out["output_ids"] == ref and out["meta_info"]["cached_tokens"] < PAGES * 16
+        _expect_log(b, r"kv_tiers mooncake store: (lookup|read|write) of \d+ pages failed")
