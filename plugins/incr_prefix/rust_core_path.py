@@ -45,16 +45,18 @@ class RustTailState:
     epoch:  the cache's reset epoch at save time.
     fill:   the request's `full_untruncated_fill_ids` object the key was copied from; SGLang
             replaces (never rewrites) it on retraction or abort, so identity detects that.
-    keys:   the request's first `depth` tokens, as the binding wants them (int64 array).
-    values: int64 mirror of `req_to_token[row, :depth]` (capacity may be larger).
+    keys:   the request's first `depth` tokens, as the binding wants them (int64 array);
+            None until the first tail checkpoint.
+    values: int64 mirror of `req_to_token[row, :depth]` (capacity may be larger); None until
+            the first tail checkpoint.
     """
 
     anchor: Any
     depth: int
     epoch: int
     fill: Any
-    keys: array
-    values: torch.Tensor
+    keys: array | None = None
+    values: torch.Tensor | None = None
 
 
 def route(cache: Any, req: Any, up_to: int, kwargs: dict[str, Any]) -> Reason | None:
@@ -92,26 +94,20 @@ def route(cache: Any, req: Any, up_to: int, kwargs: dict[str, Any]) -> Reason | 
     return None
 
 
-def save_state(cache: Any, req: Any) -> None:
-    """After a stock checkpoint on the Rust core: record the key and value mirror once (one
-    copy of the prefix, as stock makes on every chunk) so later chunks extend them."""
+def save_state(cache: Any, req: Any, up_to: int) -> None:
+    """After a stock checkpoint on the Rust core: remember where it ended. The key array and
+    value mirror are built on the first tail checkpoint (one copy of the prefix, as stock makes
+    on every chunk), so a request prefilled in one chunk pays for nothing but this record."""
     lock = req.lock
     depth = req.kv.cache_protected_len
-    if req.finished() or lock is None or lock.node != req.last_node or depth <= 0:
+    if req.finished() or lock is None or lock.node != req.last_node or depth <= 0 or up_to >= len(req.origin_input_ids):
+        # Finished, unlocked, or the prompt is complete: the next checkpoint is stock anyway.
         setattr(req, RUST_REQ_ATTR, None)
         return
-    fill = req.full_untruncated_fill_ids
-    prompt = len(req.origin_input_ids)
-    capacity = max(depth, prompt)
-    values = torch.empty(capacity, dtype=torch.int64)
-    values[:depth] = cache.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :depth]
     setattr(
         req,
         RUST_REQ_ATTR,
-        RustTailState(
-            anchor=req.last_node, depth=depth, epoch=cache.kllm_epoch, fill=fill,
-            keys=fill[:depth], values=values,
-        ),
+        RustTailState(anchor=req.last_node, depth=depth, epoch=cache.kllm_epoch, fill=req.full_untruncated_fill_ids),
     )
 
 
@@ -140,6 +136,10 @@ def checkpoint_tail(cache: Any, req: Any, up_to: int) -> None:
         effective = comp.floor_cache_len(effective)
     assert effective == up_to, f"FULL-only cache shortened the key: {effective} < {up_to}"
 
+    if state.keys is None:
+        state.keys = state.fill[:start]
+        state.values = torch.empty(max(aligned, len(req.origin_input_ids)), dtype=torch.int64)
+        state.values[:start] = pool.req_to_token[row, :start]
     keys = state.keys
     keys.extend(state.fill[start:aligned])
     values = state.values

@@ -84,7 +84,10 @@ class IncrementalUnifiedRadixCache(UnifiedRadixCache):
         comps = self._components_tuple
         if len(comps) != 1 or comps[0].component_type != BASE_COMPONENT_TYPE:
             return "auxiliary components (SWA/Mamba)"
-        if self.cache_controller is not None or getattr(self.tree_core, "enable_hicache", False):
+        # HiCache: the Rust path keeps SGLang's own insert (write-through actions included) and
+        # only builds its arguments incrementally, so it stays on; the Python tail walk does not
+        # reproduce HiCache's per-node host bookkeeping.
+        if not self._kllm_rust and (self.cache_controller is not None or getattr(self.tree_core, "enable_hicache", False)):
             return "HiCache"
         if self.linker is not None:
             return "external cache linker"
@@ -99,13 +102,15 @@ class IncrementalUnifiedRadixCache(UnifiedRadixCache):
     def init_hicache(self, *args: Any, **kwargs: Any) -> Any:
         out = super().init_hicache(*args, **kwargs)
         self._kllm_unsupported = self._static_unsupported()
-        logger.info("incr_prefix: tail-only inserts off for this cache: %s", self._kllm_unsupported)
+        if self._kllm_unsupported:
+            logger.info("incr_prefix: tail-only inserts off for this cache: %s", self._kllm_unsupported)
         return out
 
     def init_cache_linker(self, *args: Any, **kwargs: Any) -> Any:
         out = super().init_cache_linker(*args, **kwargs)
         self._kllm_unsupported = self._static_unsupported()
-        logger.info("incr_prefix: tail-only inserts off for this cache: %s", self._kllm_unsupported)
+        if self._kllm_unsupported:
+            logger.info("incr_prefix: tail-only inserts off for this cache: %s", self._kllm_unsupported)
         return out
 
     def reset(self) -> None:
@@ -193,8 +198,23 @@ class IncrementalUnifiedRadixCache(UnifiedRadixCache):
     # ---- the checkpoint ----
 
     def checkpoint_into_tree(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
-        counters = self.kllm_counters
+        if self._kllm_rust:
+            if req.__dict__.get(rust_core_path.RUST_REQ_ATTR) is None and (
+                req.finished_reason is not None or up_to >= len(req.origin_input_ids)
+            ):
+                # Rust core, no saved state, and the prompt is complete (a one-chunk prompt, or
+                # the finishing checkpoint): stock, and nothing to save. Counted, not timed: this
+                # is every short request's path and must stay as cheap as stock.
+                counters = self.kllm_counters
+                counters.record_full(Reason.FINISH if req.finished_reason is not None else Reason.NO_STATE)
+                super().checkpoint_into_tree(req, up_to=up_to, **kwargs)
+                if self.kllm_observer is not None:
+                    self.kllm_observer(counters)
+                return
+            self._checkpoint_rust(req, up_to, kwargs, perf_counter())
+            return
         t0 = perf_counter()
+        counters = self.kllm_counters
         if self._kllm_unsupported:
             # The whole cache is stock (e.g. Rust TreeCore): keep the per-checkpoint cost at a count.
             counters.record_full(Reason.UNSUPPORTED_CACHE)
@@ -202,9 +222,6 @@ class IncrementalUnifiedRadixCache(UnifiedRadixCache):
             counters.full_seconds += perf_counter() - t0
             if self.kllm_observer is not None:
                 self.kllm_observer(counters)
-            return
-        if self._kllm_rust:
-            self._checkpoint_rust(req, up_to, kwargs, t0)
             return
         reason, prompt_touch = self._route(req, up_to, kwargs)
         if reason is None:
@@ -225,7 +242,10 @@ class IncrementalUnifiedRadixCache(UnifiedRadixCache):
         """Rust TreeCore: the walk stays the binding's (whole key from the root); the key, value
         and new-index work is done for the tail only (`rust_core_path`)."""
         counters = self.kllm_counters
-        reason = rust_core_path.route(self, req, up_to, kwargs)
+        if self._kllm_unsupported:
+            reason: Reason | None = Reason.UNSUPPORTED_CACHE
+        else:
+            reason = rust_core_path.route(self, req, up_to, kwargs)
         if reason is None:
             start = req.kv.cache_protected_len
             rust_core_path.checkpoint_tail(self, req, up_to)
@@ -234,17 +254,19 @@ class IncrementalUnifiedRadixCache(UnifiedRadixCache):
         else:
             counters.record_full(reason)
             super().checkpoint_into_tree(req, up_to=up_to, **kwargs)
-            rust_core_path.save_state(self, req)
+            if reason is not Reason.FINISH:  # a finishing request's state dies in on_release
+                rust_core_path.save_state(self, req, up_to)
             counters.full_seconds += perf_counter() - t0
         if self.kllm_observer is not None:
             self.kllm_observer(counters)
 
     def on_release(self, req: Any, *, checkpointed: bool) -> None:
         # Finish, abort and retraction all release here; the state dies with the KV row.
-        if getattr(req, _REQ_ATTR, None) is not None:
-            setattr(req, _REQ_ATTR, None)
-        if getattr(req, rust_core_path.RUST_REQ_ATTR, None) is not None:
-            setattr(req, rust_core_path.RUST_REQ_ATTR, None)
+        d = req.__dict__
+        if d.get(_REQ_ATTR) is not None:
+            d[_REQ_ATTR] = None
+        if d.get(rust_core_path.RUST_REQ_ATTR) is not None:
+            d[rust_core_path.RUST_REQ_ATTR] = None
         super().on_release(req, checkpointed=checkpointed)
 
     def _checkpoint_tail(self, req: Any, up_to: int, prompt_touch: int | None) -> None:

@@ -10,6 +10,9 @@ class TraceConfig:
     """Seconds between INFO summary lines from the scheduler (0 disables them)."""
     publish_interval_s: float = 0.2
     """Seconds between snapshots written for the /kllm/stats endpoint."""
+    profile_path: str = ""
+    """If set, cProfile every batch selection (`get_next_batch_to_run` and what it calls) and
+    write the pstats to this path (with the scheduler's pid appended) every 2 s while busy."""
 
     def __post_init__(self) -> None:
         if self.log_interval_s < 0:

@@ -19,9 +19,20 @@ class SchedulerCounters:
     decode_steps: int = 0
     decode_tokens: int = 0
     idle_passes: int = 0
+    select_seconds: float = 0.0
+    """Wall time inside batch selection (`get_next_batch_to_run`), all passes."""
+    prefill_select_seconds: float = 0.0
+    """Wall time of the passes that chose a prefill batch: between two chunks of a long prompt
+    this is the scheduler's gap (stashing the previous chunk into the tree included)."""
+    select_seconds_max: float = 0.0
 
-    def observe(self, kind: str | None, num_reqs: int = 0, new_tokens: int = 0) -> None:
+    def observe(self, kind: str | None, num_reqs: int = 0, new_tokens: int = 0, seconds: float = 0.0) -> None:
         self.passes += 1
+        self.select_seconds += seconds
+        if seconds > self.select_seconds_max:
+            self.select_seconds_max = seconds
+        if kind == "prefill":
+            self.prefill_select_seconds += seconds
         if kind is None:
             self.idle_passes += 1
         elif kind == "prefill":
@@ -34,5 +45,5 @@ class SchedulerCounters:
         else:
             raise ValueError(f"unknown batch kind {kind!r}")
 
-    def snapshot(self) -> dict[str, int]:
+    def snapshot(self) -> dict[str, float]:
         return asdict(self)

@@ -17,6 +17,7 @@ def kllm_declare() -> PluginSpec:
         options=(
             OptionSpec("log_interval_s", float, 10.0, "seconds between scheduler summary log lines (0: off)"),
             OptionSpec("publish_interval_s", float, 0.2, "seconds between snapshots for /kllm/stats"),
+            OptionSpec("profile_path", str, "", "cProfile batch selection and write pstats here (debug; costs time)"),
         ),
         patches=(
             PatchSpec(

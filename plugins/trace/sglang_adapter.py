@@ -22,10 +22,23 @@ class _Tracer:
         self._m_passes = metrics.counter("kllm_trace_scheduler_passes_total", "Scheduler batch-selection passes")
         self._m_chunks = metrics.counter("kllm_trace_prefill_chunks_total", "Prefill chunks (request x extend batch)")
         self._m_decode = metrics.counter("kllm_trace_decode_steps_total", "Decode batches run")
+        self._m_select = metrics.counter(
+            "kllm_trace_batch_select_seconds_total", "Wall time in batch selection (get_next_batch_to_run)"
+        )
+        self.profiler: Any = None
+        self.profile_path = ""
+        self._last_dump = time.monotonic()
+        if cfg.profile_path:
+            import cProfile
+            import os
 
-    def observe(self, batch: Any) -> None:
+            self.profiler = cProfile.Profile()
+            self.profile_path = f"{cfg.profile_path}.{os.getpid()}"
+
+    def observe(self, batch: Any, seconds: float) -> None:
         kind, num_reqs, new_tokens = _describe(batch)
-        self.counters.observe(kind, num_reqs, new_tokens)
+        self.counters.observe(kind, num_reqs, new_tokens, seconds)
+        self._m_select.inc(seconds)
         self._m_passes.inc()
         if kind == "prefill":
             self._m_chunks.inc(num_reqs)
@@ -38,6 +51,9 @@ class _Tracer:
             if now - self._last_log >= self.log_interval_s:
                 self._last_log = now
                 logger.info("kllm trace: %s", self.counters.snapshot())
+        if self.profiler is not None and time.monotonic() - self._last_dump >= 2.0:
+            self._last_dump = time.monotonic()
+            self.profiler.dump_stats(self.profile_path)
 
 
 def _describe(batch: Any) -> tuple[str | None, int, int]:
@@ -58,8 +74,16 @@ _tracer: _Tracer | None = None
 
 def around_get_next_batch_to_run(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
     global _tracer
-    plan = original(self, *args, **kwargs)
     if _tracer is None:
         _tracer = _Tracer()
-    _tracer.observe(getattr(plan, "batch_to_run", plan))
+    prof = _tracer.profiler
+    t0 = time.perf_counter()
+    if prof is not None:
+        prof.enable()
+    try:
+        plan = original(self, *args, **kwargs)
+    finally:
+        if prof is not None:
+            prof.disable()
+    _tracer.observe(getattr(plan, "batch_to_run", plan), time.perf_counter() - t0)
     return plan

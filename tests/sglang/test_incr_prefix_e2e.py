@@ -1,6 +1,8 @@
 """End to end: a real sglang.launch_server on the CPU platform with small prefill chunks and
 `--radix-cache-backend kllm_incremental`: greedy outputs identical to the reference, cache hits on
-the tree the tail inserts built, and the plugin's counters moving (with no stale-state fallback)."""
+the tree the tail inserts built, and the plugin's counters moving (with no stale-state fallback).
+Two servers: the Python TreeCore (tail walk), and SGLang's default Rust TreeCore with HiCache's
+L2 host tier on (the Rust path), page size 16."""
 from __future__ import annotations
 
 import time
@@ -27,18 +29,28 @@ def _prompts() -> list[list[int]]:
     ]
 
 
-def test_outputs_identical_and_tail_inserts_counted(tiny_model_path: Path) -> None:
+HICACHE_ARGS = [
+    "--page-size", "16", "--enable-hierarchical-cache", "--hicache-io-backend", "direct",
+    "--hicache-mem-layout", "layer_first", "--hicache-write-policy", "write_through",
+]
+
+
+@pytest.mark.parametrize("treecore", ["python", "rust-hicache"])
+def test_outputs_identical_and_tail_inserts_counted(tiny_model_path: Path, treecore: str) -> None:
     """One server with the plugin; the reference is transformers' greedy output in float32,
     which the stock server reproduces token for token (tests/sglang/test_host_e2e.py)."""
     args = ["--chunked-prefill-size", str(CHUNK), "--dtype", "float32", "--radix-cache-backend", "kllm_incremental"]
-    env = {
-        # the tail path drives the Python TreeCore (the Rust binding has no insert-from-node)
-        "KLLM_INCR_PREFIX_FORCE_PYTHON_TREECORE": "1",
-        "KLLM_EXTRA_PLUGINS": HOOKIMPLS,
-        "KLLM_INCR_PREFIX_PUBLISH_INTERVAL_S": "0.1",
-    }
+    env = {"KLLM_EXTRA_PLUGINS": HOOKIMPLS, "KLLM_INCR_PREFIX_PUBLISH_INTERVAL_S": "0.1"}
+    plugins = ["incr_prefix"]
+    if treecore == "python":
+        env["KLLM_INCR_PREFIX_FORCE_PYTHON_TREECORE"] = "1"
+    else:
+        # HiCache runs on the CPU platform with the kv_tiers plugin's host-copy support.
+        args += HICACHE_ARGS
+        plugins.append("kv_tiers")
     prompts = _prompts()
-    with SGLangServer(tiny_model_path, plugins=["incr_prefix"], extra_args=args, env=env, max_total_tokens=4096) as srv:
+    with SGLangServer(tiny_model_path, plugins=plugins, extra_args=args, env=env, max_total_tokens=4096,
+                      startup_timeout_s=300) as srv:
         res = [srv.generate(input_ids=ids, max_new_tokens=6, ignore_eos=True) for ids in prompts]
         time.sleep(0.3)
         stats = srv.get_json("/kllm/stats").get("incr_prefix", {})
@@ -47,6 +59,7 @@ def test_outputs_identical_and_tail_inserts_counted(tiny_model_path: Path) -> No
     assert res[2]["meta_info"]["cached_tokens"] >= 640  # the tree the tail inserts built is matched
     total = stats["total"]
     # 700-token prompts in 64-token chunks: each long prompt checkpoints 10 times after its first
+    # (page 16: 700 tokens give 43 full pages, so each long prompt still checkpoints 10 times)
     assert total["tail_inserts"] >= 15, total
     assert total["skipped_tokens"] > 0, total
     assert total["fallbacks"] == 0, total

@@ -99,3 +99,16 @@ def test_extra_plugin_already_installed_is_not_registered_twice(clean_env: pytes
     clean_env.setenv("KLLM_EXTRA_PLUGINS", "kllm_plugins.plugins.trace.hookimpls")
     manager = KllmPluginManager()
     assert manager.names().count("trace") == 1
+
+
+def test_bool_typed_option_parses_false_text_as_false() -> None:
+    from kllm_plugins.errors import KllmConfigError
+    from kllm_plugins.options import convert
+    from kllm_plugins.spec import OptionSpec
+
+    opt = OptionSpec("flag", bool, True, "a flag")
+    assert convert("p", opt, "false", "--kllm-p-flag") is False
+    assert convert("p", opt, "1", "--kllm-p-flag") is True
+    assert convert("p", opt, False, "yaml p.flag") is False
+    with pytest.raises(KllmConfigError, match="expected a boolean"):
+        convert("p", opt, "maybe", "--kllm-p-flag")

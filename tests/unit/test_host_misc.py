@@ -47,8 +47,14 @@ def test_trace_counters_count_chunks_and_steps() -> None:
     c = SchedulerCounters()
     for _ in range(7):  # a 446-token prompt in 64-token chunks
         c.observe("prefill", num_reqs=1, new_tokens=64)
-    c.observe("decode", num_reqs=3)
-    c.observe(None)
+    c.observe("decode", num_reqs=3, seconds=0.5)
+    c.observe(None, seconds=0.25)
+    snap = c.snapshot()
+    assert snap["select_seconds"] == 0.75 and snap["select_seconds_max"] == 0.5
+    assert snap["prefill_select_seconds"] == 0.0
+    c.observe("prefill", num_reqs=1, new_tokens=64, seconds=0.125)
+    assert c.snapshot()["prefill_select_seconds"] == 0.125
+    c.prefill_chunks, c.prefill_tokens, c.passes = 7, 448, 9
     snap = c.snapshot()
     assert snap["prefill_chunks"] == 7 and snap["prefill_tokens"] == 448
     assert snap["decode_steps"] == 1 and snap["decode_tokens"] == 3
