@@ -106,7 +106,10 @@ def test_file_store_shared_by_two_servers(tmp_path) -> None:
                             stack, events)
             out = a.generate(input_ids=PROMPT, max_new_tokens=6)
             assert out["output_ids"] == ref and out["meta_info"]["cached_tokens"] == 0
-            assert _wait(a, lambda s: s["pages_skipped"] >= PAGES)["pages_admitted"] == 0  # first sighting
+            # First sighting: the 18 prompt pages are skipped. The 19th page (prompt end + output,
+            # inserted at finish) extends a cached prefix and may be written at once; whether it is
+            # counted yet when the 18 skips are depends on timing.
+            assert _wait(a, lambda s: s["pages_skipped"] >= PAGES)["pages_admitted"] <= 1
 
             out = b.generate(input_ids=PROMPT, max_new_tokens=6)
             assert out["output_ids"] == ref and out["meta_info"]["cached_tokens"] == 0
