@@ -36,7 +36,7 @@ from typing import Any
 
 from kllm_plugins.models.tiny_llama import tiny_llama_path
 from kllm_plugins.testing.kv_tiers import flush, kv_tiers_stats, l3_args
-from kllm_plugins.testing.sglang_server import SGLangServer
+from kllm_plugins.testing.sglang_server import SGLangServer, start_all
 
 sys.path.insert(0, str(Path(__file__).parent))
 from trace_gen import generate, tokens_for  # noqa: E402
@@ -110,26 +110,6 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
 
 
-def _start_all(servers: list[SGLangServer]) -> None:
-    errors: list[BaseException] = []
-
-    def start(s: SGLangServer) -> None:
-        try:
-            s.start()
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
-
-    threads = [threading.Thread(target=start, args=(s,)) for s in servers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        for s in servers:
-            s.stop()
-        raise errors[0]
-
-
 def _counters(servers: list[SGLangServer], plugins: list[str]) -> tuple[int, int]:
     """(tokens loaded from L2 by the kv_tiers hook, tokens prefetched from L3) over the servers so far."""
     l2 = sum(int(kv_tiers_stats(s).get("l2_loaded_tokens", 0)) for s in servers) if plugins else 0
@@ -147,7 +127,7 @@ def run_setup(name: str, traces: dict[str, list[dict[str, Any]]], args: argparse
                             max_total_tokens=args.l1_tokens, startup_timeout_s=400) for i in range(2)]
     runs = []
     try:
-        _start_all(servers)
+        start_all(servers)
         for s in servers:
             stream_generate(s.base_url, list(range(200, 232)), 2)  # warm-up
         for tname, trace in traces.items():

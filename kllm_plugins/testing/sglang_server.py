@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -146,3 +147,25 @@ class SGLangServer:
         else:
             body["text"] = text
         return self.post_json("/generate", body)
+
+
+def start_all(servers: Sequence[SGLangServer]) -> None:
+    """Start servers concurrently (start-up is mostly imports, which overlap well). If any fails,
+    all are stopped and the first error is raised."""
+    errors: list[BaseException] = []
+
+    def start(server: SGLangServer) -> None:
+        try:
+            server.start()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start, args=(s,)) for s in servers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        for server in servers:
+            server.stop()
+        raise errors[0]

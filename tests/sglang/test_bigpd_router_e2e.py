@@ -13,7 +13,6 @@ import contextlib
 import json
 import os
 import signal
-import threading
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterator
 
@@ -24,30 +23,9 @@ from kllm_plugins.plugins.bigpd_router.config import RouterConfig
 from kllm_plugins.plugins.bigpd_router.core.registry import Role
 from kllm_plugins.plugins.bigpd_router.core.request_shape import parse
 from kllm_plugins.plugins.bigpd_router.service.router import Router
-from kllm_plugins.testing.sglang_server import SGLangServer
+from kllm_plugins.testing.sglang_server import SGLangServer, start_all
 
 pytestmark = [pytest.mark.sglang, pytest.mark.e2e]
-
-
-def start_pair(servers: list[SGLangServer]) -> None:
-    """Start servers concurrently (start-up is dominated by imports, which overlap well)."""
-    errors: list[BaseException] = []
-
-    def start(s: SGLangServer) -> None:
-        try:
-            s.start()
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=start, args=(s,)) for s in servers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        for s in servers:
-            s.stop()
-        raise errors[0]
 
 
 @contextlib.asynccontextmanager
@@ -75,7 +53,7 @@ def plain_pair(tiny_model_path: Path) -> Iterator[list[SGLangServer]]:
     servers = [SGLangServer(tiny_model_path, max_total_tokens=4096, extra_args=[
         "--kv-events-config", json.dumps({"publisher": "zmq", "endpoint": f"tcp://*:{free_port()}", "topic": ""})])
         for _ in range(2)]
-    start_pair(servers)
+    start_all(servers)
     try:
         yield servers
     finally:
@@ -192,7 +170,7 @@ def pd_pair(tiny_model_path: Path) -> Iterator[list[SGLangServer]]:
         *common, "--disaggregation-mode", "decode",
         # the default host_pool retraction backup pins host memory through CUDA
         "--disaggregation-decode-retraction-backup", "cpu_tensor"])
-    start_pair([prefill, decode])
+    start_all([prefill, decode])
     try:
         yield [prefill, decode]
     finally:

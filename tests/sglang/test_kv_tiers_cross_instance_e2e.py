@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 import signal
-import threading
 import time
 from contextlib import ExitStack
 from typing import Any
@@ -28,7 +27,7 @@ import pytest
 from kllm_plugins.models.tiny_llama import tiny_llama_path
 from kllm_plugins.testing.hf_reference import hf_greedy
 from kllm_plugins.testing.kv_tiers import flush, kv_tiers_stats, l3_args, mooncake_available, mooncake_master
-from kllm_plugins.testing.sglang_server import SGLangServer, free_port
+from kllm_plugins.testing.sglang_server import SGLangServer, free_port, start_all
 
 pytestmark = [pytest.mark.sglang, pytest.mark.e2e]
 
@@ -45,32 +44,14 @@ def _wait(server: SGLangServer, pred: Any, timeout_s: float = 15.0) -> dict[str,
         time.sleep(0.3)
 
 
-def _start_both(servers: list[SGLangServer], stack: ExitStack) -> None:
-    errors: list[BaseException] = []
-
-    def start(s: SGLangServer) -> None:
-        try:
-            s.start()
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
-
-    threads = [threading.Thread(target=start, args=(s,)) for s in servers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for s in servers:
-        stack.callback(s.stop)
-    if errors:
-        raise errors[0]
-
-
 def _servers(args: list[str], env: dict[str, str], stack: ExitStack,
              extra: dict[str, list[str]] | None = None) -> tuple[SGLangServer, SGLangServer]:
     a, b = (SGLangServer(tiny_llama_path(), plugins=["kv_tiers"], extra_args=args + (extra or {}).get(name, []),
                          env={**env, "KLLM_KV_TIERS_INSTANCE_ID": name}, startup_timeout_s=300)
             for name in ("A", "B"))
-    _start_both([a, b], stack)
+    start_all([a, b])
+    for server in (a, b):
+        stack.callback(server.stop)
     return a, b
 
 
