@@ -44,6 +44,10 @@ def _cases(world: int) -> list[dict[str, Any]]:
     # Sparse top-k (DSA-style) over a shared latent: selections bucketed by the chunk that holds them.
     cases.append(dict(seed=107, sparse_topk=True, seq_lens=[41, 19], h=4, d=16, dv=12, topk=9, chunks=2,
                       tol=FP32_TOL))
+    if world == 2:
+        # The same through the Triton kernels (counting-sort buckets, in-place LSE merge), interpreted.
+        cases.append(dict(seed=108, sparse_topk=True, seq_lens=[37, 22], h=4, d=16, dv=12, topk=11, chunks=2,
+                          kernel="triton", tol=FP32_TOL))
     return cases
 
 

@@ -54,11 +54,25 @@ def gather_full_kv(
         else:
             gathered.copy_(x)
         stats.gathered_bytes += gathered.numel() * gathered.element_size()
-        parts = [gathered[r * max_len : r * max_len + lens[r]] for r in range(world)]
-        f = plan.unshard(parts)
+        f = reorder_gathered(gathered, plan, max_len)
         stats.full_kv_bytes += f.numel() * f.element_size()
-        del gathered, parts
+        del gathered
         full.append(f)
+    return full
+
+
+def reorder_gathered(gathered: torch.Tensor, plan: ShardPlan, max_len: int) -> torch.Tensor:
+    """Gather buffer (rank-major, each rank's shard padded to max_len) -> packed full-batch order.
+
+    One slice copy per segment: no index tensor is built or moved to the device.
+    """
+    cu = plan.cu_seqlens()
+    full = gathered.new_empty((plan.total, *gathered.shape[1:]))
+    for r in range(plan.world):
+        base = r * max_len
+        for s in plan.segments[r]:
+            dst = cu[s.seq] + s.start
+            full[dst : dst + s.length].copy_(gathered[base + s.local : base + s.local + s.length])
     return full
 
 

@@ -3,12 +3,24 @@
 Each query attends only to the keys a light indexer selected for it (`topk_idx`, global token
 ids of the packed batch, -1 = unused slot), over an MLA-style shared latent K/V (T, 1, D),
 v = latent[..., :v_dim]. The indexer itself is outside this module: both paths take the same
-indices. All-gather path: gather the whole latent, then gather each query's keys. Ring path:
-bucket each query's selections by the (rank, chunk) that holds them once, then, as each chunk
-arrives on the ring, attend to the selections that fall in it and merge by LSE.
+indices.
+
+- All-gather path: gather the whole latent (SGLang's zigzag semantics), then attend each query
+  to its rows of it.
+- Ring path: split each query's selections once by the group that holds the key (group 0: this
+  rank's own shard, read in place; then one group per remote chunk, in arrival order). Attend
+  to the own group while the first chunk is in flight, then to each arriving chunk's
+  selections, and merge by LSE.
+
+Kernels: "triton" (CUDA, or CPU under TRITON_INTERPRET=1; `kernels/sparse_lse.py`): a
+counting-sort bucketing kernel and a gather attention kernel that handles all heads of a
+query per program and merges in place. "torch": the reference, with dense padded gathers per
+block of `q_chunk` queries.
 """
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,11 +32,32 @@ from kllm_plugins.plugins.ring_cp.core.ring_attention import RingStats, run_ring
 from kllm_plugins.plugins.ring_cp.core.ring_comm import RingExchanger
 from kllm_plugins.plugins.ring_cp.core.shard_plan import ShardPlan
 
+SPARSE_KERNELS = ("torch", "triton")
+
+
+def select_sparse_kernel(name: str = "auto", device_type: str | None = None) -> str:
+    """"auto": triton on CUDA, torch elsewhere; "triton" on CPU needs TRITON_INTERPRET=1."""
+    from kllm_plugins.hardware import get_adapter
+
+    adapter = get_adapter(device_type) if device_type else get_adapter()
+    if name == "auto":
+        return "triton" if adapter.device_type == "cuda" and adapter.kernels().get("triton", False) else "torch"
+    if name not in SPARSE_KERNELS:
+        raise ValueError(f"sparse kernel must be one of auto, {', '.join(SPARSE_KERNELS)}; got {name!r}")
+    if name == "triton":
+        kernels = adapter.kernels()
+        ok = kernels.get("triton", False) or (
+            kernels.get("triton_interpret", False) and os.environ.get("TRITON_INTERPRET") == "1"
+        )
+        if not ok:
+            raise ValueError(f"sparse kernel 'triton' is not available on the {adapter.name} adapter")
+    return name
+
 
 def sparse_gather_attention(
     q: torch.Tensor, latent: torch.Tensor, idx: torch.Tensor, scale: float, v_dim: int, q_chunk: int = 1024
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q (Sq, H, D) against rows idx (Sq, m) of latent (Sk, 1, D); -1 entries are skipped."""
+    """Reference: q (Sq, H, D) against rows idx (Sq, m) of latent (Sk, 1, D); -1 entries are skipped."""
     sq, h, _ = q.shape
     out = torch.zeros(sq, h, v_dim, dtype=torch.float32, device=q.device)
     lse = torch.full((sq, h), float("-inf"), dtype=torch.float32, device=q.device)
@@ -49,59 +82,94 @@ def sparse_gather_attention(
 def allgather_sparse_attention(
     q: torch.Tensor, latent: torch.Tensor, topk_idx: torch.Tensor, plan: ShardPlan, rank: int, *,
     group: Any | None = None, scale: float | None = None, v_dim: int | None = None,
-    stats: GatherStats | None = None, q_chunk: int = 1024,
+    stats: GatherStats | None = None, q_chunk: int = 1024, kernel: str = "torch",
+    full_latent: torch.Tensor | None = None, kernel_config: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The all-gather baseline; `full_latent` skips the gather (compute-only timing)."""
     scale = scale if scale is not None else default_scale(q.shape[-1])
     v_dim = v_dim or latent.shape[-1]
-    full = gather_full_kv([latent], plan, rank, group, stats if stats is not None else GatherStats())[0]
-    out, lse = sparse_gather_attention(q, full, topk_idx, scale, v_dim, q_chunk)
+    if full_latent is None:
+        full_latent = gather_full_kv([latent], plan, rank, group, stats if stats is not None else GatherStats())[0]
+    if kernel == "triton":
+        from kllm_plugins.plugins.ring_cp.kernels.sparse_lse import sparse_latent_attention
+
+        out, lse = sparse_latent_attention(q, full_latent, topk_idx, scale=scale, v_dim=v_dim, config=kernel_config)
+    else:
+        out, lse = sparse_gather_attention(q, full_latent, topk_idx, scale, v_dim, q_chunk)
     return out.to(q.dtype), lse
 
 
-class TopkBuckets:
-    """Each query's selections grouped by the (source rank, chunk) that holds the key.
+@dataclass
+class GroupTables:
+    """Where each global key lives from one rank's view: its group and its row in that group's buffer.
 
-    Built once per layer: group id per selection, a stable per-row sort by group, per-row
-    offsets, and the largest count per (query block, group), so a ring step reads, for each
-    block of `q_chunk` queries, a dense (q_chunk, that block's max count) matrix of
-    chunk-buffer offsets, and skips blocks with no selection in the arriving chunk.
+    Group 0 is the rank's own shard (rows = local offsets); group 1 + j * C + c is chunk c of
+    the j-th remote shard in ring arrival order (source rank - 1 - j), rows = offsets in the
+    packed chunk buffer.
     """
 
-    def __init__(self, topk_idx: torch.Tensor, plan: ShardPlan, chunks_per_shard: int, q_chunk: int) -> None:
-        dev = topk_idx.device
-        group_of = torch.full((plan.total,), -1, dtype=torch.int32, device=dev)
-        local_of = torch.zeros((plan.total,), dtype=torch.int32, device=dev)
-        self.ngroups = plan.world * chunks_per_shard
-        self.q_chunk = q_chunk
-        for s in range(plan.world):
-            gidx = plan.global_index(s, dev)
-            for c, pcs in enumerate(plan.chunk_pieces(s, chunks_per_shard)):
+    group_of: torch.Tensor
+    local_of: torch.Tensor
+    ngroups: int
+
+    @staticmethod
+    def build(plan: ShardPlan, rank: int, chunks_per_shard: int, device: torch.device) -> GroupTables:
+        group_of = torch.full((plan.total,), -1, dtype=torch.int32, device=device)
+        local_of = torch.zeros((plan.total,), dtype=torch.int32, device=device)
+        own = plan.global_index(rank, device)
+        group_of[own] = 0
+        local_of[own] = torch.arange(own.numel(), dtype=torch.int32, device=device)
+        for j in range(plan.world - 1):
+            src = (rank - 1 - j) % plan.world
+            gidx = plan.global_index(src, device)
+            for c, pcs in enumerate(plan.chunk_pieces(src, chunks_per_shard)):
                 off = 0
                 for lo, hi in pcs:
-                    group_of[gidx[lo:hi]] = s * chunks_per_shard + c
-                    local_of[gidx[lo:hi]] = torch.arange(off, off + hi - lo, dtype=torch.int32, device=dev)
+                    group_of[gidx[lo:hi]] = 1 + j * chunks_per_shard + c
+                    local_of[gidx[lo:hi]] = torch.arange(off, off + hi - lo, dtype=torch.int32, device=device)
                     off += hi - lo
-        valid = topk_idx >= 0
-        safe = topk_idx.clamp(min=0).long()
-        grp = torch.where(valid, group_of[safe], torch.full_like(group_of[safe], self.ngroups))
-        order = torch.sort(grp, dim=1, stable=True).indices
-        self.local_sorted = torch.gather(torch.where(valid, local_of[safe], -1), 1, order).to(torch.int32)
-        del order, safe
-        counts = torch.zeros(topk_idx.shape[0], self.ngroups + 1, dtype=torch.int32, device=dev)
-        counts.scatter_add_(1, grp.long(), torch.ones_like(grp, dtype=torch.int32))
-        self.counts = counts[:, : self.ngroups]
-        self.starts = (torch.cumsum(counts, dim=1) - counts)[:, : self.ngroups]
-        nq = topk_idx.shape[0]
+        return GroupTables(group_of, local_of, 1 + (plan.world - 1) * chunks_per_shard)
+
+    def group(self, rank: int, src: int, c: int, world: int, chunks_per_shard: int) -> int:
+        if src == rank:
+            return 0
+        return 1 + ((rank - 1 - src) % world) * chunks_per_shard + c
+
+
+def bucket_topk_torch(
+    idx: torch.Tensor, group_of: torch.Tensor, local_of: torch.Tensor, ngroups: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference for `kernels.sparse_lse.bucket_topk` (same contract), with a stable sort."""
+    valid = idx >= 0
+    safe = idx.clamp(min=0).long()
+    grp = torch.where(valid, group_of[safe], torch.full_like(group_of[safe], ngroups)).long()
+    order = torch.sort(grp, dim=1, stable=True).indices
+    rows = torch.gather(torch.where(valid, local_of[safe], -1), 1, order).to(torch.int32)
+    counts = torch.zeros(idx.shape[0], ngroups + 1, dtype=torch.int32, device=idx.device)
+    counts.scatter_add_(1, grp, torch.ones_like(grp, dtype=torch.int32))
+    starts = torch.zeros(idx.shape[0], ngroups + 1, dtype=torch.int32, device=idx.device)
+    starts[:, 1:] = torch.cumsum(counts[:, :ngroups], dim=1)
+    return rows, starts
+
+
+class _TorchGroups:
+    """Padded per-block views of one group's selections for the torch reference path."""
+
+    def __init__(self, rows: torch.Tensor, starts: torch.Tensor, ngroups: int, q_chunk: int) -> None:
+        self.rows, self.starts, self.q_chunk = rows, starts, q_chunk
+        counts = (starts[:, 1:] - starts[:, :-1])
+        nq = rows.shape[0]
         nblk = -(-nq // q_chunk)
-        padded = torch.zeros(nblk * q_chunk, self.ngroups, dtype=torch.int32, device=dev)
-        padded[:nq] = self.counts
-        self.block_max: list[list[int]] = padded.view(nblk, q_chunk, self.ngroups).amax(1).tolist() if nq else []
+        padded = torch.zeros(nblk * q_chunk, ngroups, dtype=torch.int32, device=rows.device)
+        padded[:nq] = counts
+        self.counts = counts
+        self.block_max: list[list[int]] = padded.view(nblk, q_chunk, ngroups).amax(1).tolist() if nq else []
 
     def for_group(self, g: int, lo: int, hi: int, m: int) -> torch.Tensor:
-        ar = torch.arange(m, device=self.counts.device, dtype=torch.int32)
+        ar = torch.arange(m, device=self.rows.device, dtype=torch.int32)
         pos = self.starts[lo:hi, g : g + 1] + ar
         ok = ar < self.counts[lo:hi, g : g + 1]
-        vals = torch.gather(self.local_sorted[lo:hi], 1, pos.clamp(max=self.local_sorted.shape[1] - 1).long())
+        vals = torch.gather(self.rows[lo:hi], 1, pos.clamp(max=max(self.rows.shape[1] - 1, 0)).long())
         return torch.where(ok, vals, torch.full_like(vals, -1))
 
 
@@ -109,31 +177,49 @@ def ring_sparse_attention(
     q: torch.Tensor, latent: torch.Tensor, topk_idx: torch.Tensor, plan: ShardPlan, rank: int, *,
     group: Any | None = None, scale: float | None = None, v_dim: int | None = None,
     chunks_per_shard: int = 1, comm: bool = True, stats: RingStats | None = None, q_chunk: int = 1024,
+    kernel: str = "torch", kernel_config: int | None = None, tables: GroupTables | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ring counterpart of `allgather_sparse_attention` (same result); `tables` may be cached per plan."""
     scale = scale if scale is not None else default_scale(q.shape[-1])
     v_dim = v_dim or latent.shape[-1]
     stats = stats if stats is not None else RingStats()
-    buckets = TopkBuckets(topk_idx, plan, chunks_per_shard, q_chunk)
-    acc = PartialAttention(q.shape[0], q.shape[1], v_dim, q.device)
-    own_pieces = plan.chunk_pieces(rank, chunks_per_shard)
+    world = plan.world
+    tables = tables or GroupTables.build(plan, rank, chunks_per_shard, q.device)
+    if kernel == "triton":
+        from kllm_plugins.plugins.ring_cp.kernels.sparse_lse import bucket_topk, sparse_latent_attention
 
-    def attend(block: torch.Tensor, g: int) -> None:
-        for b, lo in enumerate(range(0, q.shape[0], q_chunk)):
-            m = buckets.block_max[b][g]
-            if m == 0:
-                continue
-            hi = min(q.shape[0], lo + q_chunk)
-            o, l = sparse_gather_attention(q[lo:hi], block, buckets.for_group(g, lo, hi, m), scale, v_dim, q_chunk)
-            acc.merge(lo, hi, o, l)
+        rows, starts = bucket_topk(topk_idx, tables.group_of, tables.local_of, tables.ngroups)
+        state: list[torch.Tensor] = []
+
+        def attend(block: torch.Tensor, g: int) -> None:
+            if not state:
+                state.extend(sparse_latent_attention(q, block, rows, scale=scale, v_dim=v_dim, starts=starts,
+                                                     group=g, config=kernel_config))
+            else:
+                sparse_latent_attention(q, block, rows, scale=scale, v_dim=v_dim, starts=starts, group=g,
+                                        acc_out=state[0], acc_lse=state[1], config=kernel_config)
+    else:
+        rows, starts = bucket_topk_torch(topk_idx, tables.group_of, tables.local_of, tables.ngroups)
+        groups = _TorchGroups(rows, starts, tables.ngroups, q_chunk)
+        acc = PartialAttention(q.shape[0], q.shape[1], v_dim, q.device)
+
+        def attend(block: torch.Tensor, g: int) -> None:
+            for b, lo in enumerate(range(0, q.shape[0], q_chunk)):
+                m = groups.block_max[b][g]
+                if m == 0:
+                    continue
+                hi = min(q.shape[0], lo + q_chunk)
+                o, l = sparse_gather_attention(q[lo:hi], block, groups.for_group(g, lo, hi, m), scale, v_dim, q_chunk)
+                acc.merge(lo, hi, o, l)
 
     def compute_own() -> None:
-        for c, pcs in enumerate(own_pieces):
-            block = torch.cat([latent[lo:hi] for lo, hi in pcs]) if len(pcs) != 1 else latent[pcs[0][0] : pcs[0][1]]
-            attend(block, rank * chunks_per_shard + c)
+        attend(latent, 0)
 
     def compute_remote(tensors: Any, src: int, c: int) -> None:
-        attend(tensors[0], src * chunks_per_shard + c)
+        attend(tensors[0], tables.group(rank, src, c, world, chunks_per_shard))
 
-    exchanger = RingExchanger(group) if comm and plan.world > 1 else None
+    exchanger = RingExchanger(group) if comm and world > 1 else None
     run_ring([latent], plan, rank, chunks_per_shard, compute_own, compute_remote, exchanger, stats)
+    if kernel == "triton":
+        return state[0].to(q.dtype), state[1]
     return acc.result(q.dtype)

@@ -14,6 +14,42 @@ import triton.language as tl
 
 
 @triton.jit
+def _attend_block(
+    q, K, V, acc, m_i, l_i, start_n, offs_m, offs_d, offs_dv, sk, diag, kvh,
+    stride_kt, stride_kh, stride_vt, stride_vh, scale, D_REAL, DV_REAL,
+    BOUNDS: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One key block of the online softmax; BOUNDS/CAUSAL off on blocks every row sees whole."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    col_ok = offs_n < sk
+    if BOUNDS:
+        k = tl.load(K + offs_n[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None],
+                    mask=col_ok[None, :] & (offs_d < D_REAL)[:, None], other=0.0)
+    else:
+        k = tl.load(K + offs_n[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None],
+                    mask=(offs_d < D_REAL)[:, None], other=0.0)
+    s = tl.dot(q, k) * scale
+    if BOUNDS:
+        keep = col_ok[None, :]
+        if CAUSAL:
+            keep = keep & (offs_n[None, :] <= offs_m[:, None] + diag)
+        s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if BOUNDS:
+        v = tl.load(V + offs_n[:, None] * stride_vt + kvh * stride_vh + offs_dv[None, :],
+                    mask=col_ok[:, None] & (offs_dv < DV_REAL)[None, :], other=0.0)
+    else:
+        v = tl.load(V + offs_n[:, None] * stride_vt + kvh * stride_vh + offs_dv[None, :],
+                    mask=(offs_dv < DV_REAL)[None, :], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _flash_lse_fwd(
     Q, K, V, O, LSE,
     sq, sk,
@@ -37,27 +73,20 @@ def _flash_lse_fwd(
     acc = tl.zeros([BLOCK_M, DV], tl.float32)
     diag = sk - sq
     hi = sk
+    # Keys below full_hi are visible to every row of this block: those key blocks skip the mask.
+    full_hi = sk
     if CAUSAL:
         hi = tl.minimum(sk, (pid_m + 1) * BLOCK_M + diag)
-    for start_n in range(0, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        col_ok = offs_n < sk
-        k = tl.load(K + offs_n[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None],
-                    mask=col_ok[None, :] & (offs_d < D_REAL)[:, None], other=0.0)
-        s = tl.dot(q, k) * scale
-        keep = col_ok[None, :]
-        if CAUSAL:
-            keep = keep & (offs_n[None, :] <= offs_m[:, None] + diag)
-        s = tl.where(keep, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + offs_n[:, None] * stride_vt + kvh * stride_vh + offs_dv[None, :],
-                    mask=col_ok[:, None] & (offs_dv < DV_REAL)[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        full_hi = tl.maximum(0, tl.minimum(pid_m * BLOCK_M + diag + 1, hi))
+    full_hi = (full_hi // BLOCK_N) * BLOCK_N
+    for start_n in range(0, full_hi, BLOCK_N):
+        acc, m_i, l_i = _attend_block(q, K, V, acc, m_i, l_i, start_n, offs_m, offs_d, offs_dv, sk, diag, kvh,
+                                      stride_kt, stride_kh, stride_vt, stride_vh, scale, D_REAL, DV_REAL,
+                                      False, False, BLOCK_N)
+    for start_n in range(full_hi, hi, BLOCK_N):
+        acc, m_i, l_i = _attend_block(q, K, V, acc, m_i, l_i, start_n, offs_m, offs_d, offs_dv, sk, diag, kvh,
+                                      stride_kt, stride_kh, stride_vt, stride_vh, scale, D_REAL, DV_REAL,
+                                      True, CAUSAL, BLOCK_N)
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
