@@ -1,31 +1,70 @@
 """What-if tool (not a measurement, not collected by pytest): an engine-level simulation of SGLang's
-prefill/decode loop with chunked prefill, driven by stock first-come-first-served or by the
-plugin's `FairPolicy`, with and without decode rows mixed into prefill passes.
+prefill/decode loop with chunked prefill on the benchmark's own traces (`workload.make_trace`,
+same seeds and rates), driven by stock first-come-first-served or by the plugin's `FairPolicy`.
 
-Used to choose fair_sched's defaults (mixed decode on, no decode yields, minimum share 0.25)
-before spending machine time. Costs are assumptions shaped after solo measurements of the tiny
-model on this CPU (a 128-token chunk ~0.03 s plus attention growing with context, a 3.75K prompt
-~3 s alone, a decode step ~0.02 s + 2 ms per request); only ratios between policies mean anything.
+Engine rules mirrored: the chunked (long) request is offered the pass budget first; waiting
+requests follow in the policy's order; one partially prefilled request at most; a pass with any
+prefill runs no decode (decode only in passes without prefill, or in the policy's decode steps);
+`extra_tokens` of a plan enlarge that pass's budget for riding one-chunk requests.
 
-    python benchmarks/fair_sched/sim_engine.py --capacity 3.8 --seeds 6
+Cost model (seconds), refitted to this CPU's measurements of the tiny model in float32 (quiet
+machine, run of 2026-11-30 09:09): a prefill pass costs PASS_BASE + sum over its rows of
+PER_TOKEN * k + CTX_READ * c + ATTN * k * c + ATTN2 * k * c^2 (k new tokens at context c). With
+k = 128 this gives ~20 ms at short context and the measured solo TTFT of 1.21 s / 6.26 s for
+2.5K / 5K prompts (so ~0.13 s / ~0.33 s per chunk at 2.5K / 4.5K context). How the context term
+splits between a per-pass part (reading the cached K/V) and a per-token part (attention) decides
+what a smaller long chunk costs; `--ctx-model` picks: `token` (all per token), `pass` (the linear
+term per pass), `half`. A decode step costs DECODE_BASE + DECODE_ROW per running request plus its
+attention. Only ratios between policies are meant; `--check` prints the simulated ratios of the
+last recorded configuration next to the recorded ones.
+
+    python benchmarks/fair_sched/sim_engine.py --check
+    python benchmarks/fair_sched/sim_engine.py --seeds 6
 """
 from __future__ import annotations
 
 import argparse
 import math
-import random
+import os
 import statistics
-from dataclasses import dataclass, field
-from typing import Any
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
 
-from kllm_plugins.plugins.fair_sched.core.quota import FairPolicy, PassPlan, QuotaParams, WaitingItem
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-PASS_BASE_S, PER_TOKEN_S, ATTN_S = 0.012, 0.00012, 3.1e-7  # prefill pass: base + per token + per token x context
-DECODE_BASE_S, DECODE_PER_REQ_S, MIXED_ROW_S = 0.02, 0.002, 0.0003
+from kllm_plugins.plugins.fair_sched.core.quota import FairPolicy, PassPlan, QuotaParams, WaitingItem  # noqa: E402
+from workload import MIXES, make_trace, pct  # noqa: E402
+
+PASS_BASE, PER_TOKEN = 0.008, 9.4e-5
+CTX_LINEAR = 1.246e-5  # per context token for a 128-token chunk (split by --ctx-model)
+ATTN2 = 1.253e-8 / 128  # per new token x context^2
+DECODE_BASE, DECODE_ROW = 0.008, 0.0008
+CAPACITY = 4.1458765290800725  # req/s of the issue mix, measured at 09:09 (the recorded run's)
 
 
 @dataclass
-class SimReq:
+class Costs:
+    ctx_read: float
+    attn: float
+
+    def row(self, k: int, c: int) -> float:
+        return PER_TOKEN * k + self.ctx_read * c + self.attn * k * c + ATTN2 * k * c * c
+
+    def prefill(self, rows: list[tuple[int, int]]) -> float:
+        return PASS_BASE + sum(self.row(k, c) for k, c in rows)
+
+    def decode(self, contexts: list[int]) -> float:
+        return DECODE_BASE + sum(DECODE_ROW + self.ctx_read * c + self.attn * c + ATTN2 * c * c for c in contexts)
+
+
+def costs(model: str) -> Costs:
+    share = {"token": 0.0, "pass": 1.0, "half": 0.5}[model]
+    return Costs(ctx_read=CTX_LINEAR * share, attn=CTX_LINEAR * (1 - share) / 128)
+
+
+@dataclass
+class Req:
     rid: int
     arrival: float
     work: int
@@ -36,29 +75,15 @@ class SimReq:
     first_s: float = 0.0
     tokens: int = 0
     finish_s: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
-def trace(n: int, rate: float, seed: int, long_frac: float, lo: int, hi: int, log_uniform: bool) -> list[SimReq]:
-    rng = random.Random(seed)
-    longs = set(rng.sample(range(n), max(1, round(n * long_frac))))
-    t, out = 0.0, []
-    for i in range(n):
-        t += rng.expovariate(rate)
-        if i in longs:
-            w = int(math.exp(rng.uniform(math.log(lo), math.log(hi)))) if log_uniform else rng.randint(lo, hi)
-        else:
-            w = rng.randint(32, 128)
-        out.append(SimReq(i, t, w, rng.randint(16, 32), i in longs))
-    return out
-
-
-def run(reqs: list[SimReq], policy: FairPolicy | None, mixed: bool, chunk: int = 128) -> dict[str, float]:
-    reqs = [SimReq(r.rid, r.arrival, r.work, r.out, r.long) for r in reqs]
+def simulate(jobs: list[Any], make_policy: Callable[[], FairPolicy] | None, cm: Costs, chunk: int = 128) -> dict[str, Any]:
+    reqs = [Req(i, j.arrival_s, len(j.input_ids), j.max_new_tokens, j.kind == "long") for i, j in enumerate(jobs)]
+    policy = make_policy() if make_policy else None
     t, nxt, finished = 0.0, 0, 0
-    waiting: list[SimReq] = []
-    running: list[SimReq] = []
-    chunked: SimReq | None = None
+    waiting: list[Req] = []
+    running: list[Req] = []
+    chunked: Req | None = None
 
     def items() -> list[WaitingItem]:
         return [WaitingItem(str(r.rid), r.work - r.done, r.rid) for r in waiting]
@@ -80,25 +105,25 @@ def run(reqs: list[SimReq], policy: FairPolicy | None, mixed: bool, chunk: int =
         if not waiting and chunked is None and not running:
             t = reqs[nxt].arrival
             continue
-        budget = chunk - (len(running) if mixed else 0)
+        budget = chunk
         plan: PassPlan | None = None
         if policy is not None:
             if policy.active is not None and (chunked is None or str(chunked.rid) != policy.active.rid):
                 policy.active = None
             if chunked is not None:
-                plan = policy.plan(items(), bool(running), budget if mixed else None)
-                if plan.action == "yield" and plan.yield_to == "short":
-                    budget = chunk  # the yield pass carries no decode rows
+                plan = policy.plan(items(), bool(running), now=t)
         parked = plan is not None and plan.action == "yield"
-        batch: list[tuple[SimReq, int]] = []
+        batch: list[tuple[Req, int]] = []
         if (waiting or chunked is not None) and not (parked and plan is not None and plan.yield_to == "decode"):
             if chunked is not None and not parked:
                 cap = budget if plan is None or plan.long_limit is None else min(budget, plan.long_limit)
                 take = min(chunked.work - chunked.done, cap)
                 batch.append((chunked, take))
                 budget -= take
-            order = [waiting[k] for k in policy.order(items(), budget)] if policy is not None else list(waiting)
-            slot_free = chunked is None or (bool(batch) and chunked.done + batch[0][1] >= chunked.work)
+                if plan is not None:
+                    budget += plan.extra_tokens
+            order = [waiting[k] for k in policy.order(items())] if policy is not None else list(waiting)
+            slot_free = chunked is None
             for r in order:
                 need = r.work - r.done
                 if budget <= 0:
@@ -115,11 +140,7 @@ def run(reqs: list[SimReq], policy: FairPolicy | None, mixed: bool, chunk: int =
                 else:
                     break
         if batch:
-            mix_now = mixed and not parked
-            t += PASS_BASE_S + sum(PER_TOKEN_S * k + ATTN_S * k * (r.done + k / 2) for r, k in batch)
-            t += MIXED_ROW_S * len(running) if mix_now else 0.0
-            if mix_now:
-                finished += decode_one(t)
+            t += cm.prefill([(k, r.done) for r, k in batch])
             cont = None
             for r, k in batch:
                 r.done += k
@@ -137,56 +158,68 @@ def run(reqs: list[SimReq], policy: FairPolicy | None, mixed: bool, chunk: int =
                         policy.record_run(str(r.rid), k)
             chunked = cont if cont is not None else (chunked if chunked is not None and chunked.done < chunked.work else None)
         elif running:
-            t += DECODE_BASE_S + DECODE_PER_REQ_S * len(running)
+            if policy is not None:
+                policy.note_decode(t)
+            t += cm.decode([r.work + r.tokens for r in running])
             finished += decode_one(t)
         else:
             t = reqs[nxt].arrival if nxt < len(reqs) else t
     ttft = [r.ttft for r in reqs]
-    longs = [r.ttft for r in reqs if r.long]
+    longs = sorted(r.ttft for r in reqs if r.long)
     tpot = [(r.finish_s - r.first_s) / (r.out - 1) for r in reqs]
-
-    def q(xs: list[float], p: float) -> float:
-        s = sorted(xs)
-        return s[min(len(s) - 1, int(p * (len(s) - 1) + 0.5))]
-
-    return {"mean": statistics.fmean(ttft), "p90": q(ttft, 0.9), "p99": q(ttft, 0.99),
-            "short_p90": q([r.ttft for r in reqs if not r.long], 0.9), "long_mean": statistics.fmean(longs),
+    return {"mean": statistics.fmean(ttft), "p90": pct(ttft, 0.9), "p99": pct(ttft, 0.99),
+            "short_p90": pct([r.ttft for r in reqs if not r.long], 0.9), "long_mean": statistics.fmean(longs),
             "tpot": statistics.fmean(tpot), "throughput": len(reqs) / (max(r.finish_s for r in reqs) - reqs[0].arrival)}
 
 
 def params(**kw: Any) -> QuotaParams:
     base: dict[str, Any] = dict(budget_tokens=128, base_quota_tokens=128, quota_growth=1.5, max_quota_tokens=512,
-                                max_yields=64, long_min_share=0.25, decode_every_chunks=0)
+                                max_yields=64, long_min_share=0.25, decode_every_chunks=2)
     base.update(kw)
     return QuotaParams(**base)
 
 
+VARIANTS: dict[str, Any] = {
+    "fcfs": None,
+    "fair 09:09 (share 0.25)": lambda: FairPolicy(params()),
+    "ride 128": lambda: FairPolicy(params(short_extra_tokens=128)),
+    "ride 128, decode /3": lambda: FairPolicy(params(short_extra_tokens=128, decode_every_chunks=3)),
+    "ride 128, sjf cap 2": lambda: FairPolicy(params(short_extra_tokens=128, long_overtake_max=2)),
+    "ride 128, sjf cap 1": lambda: FairPolicy(params(short_extra_tokens=128, long_overtake_max=1)),
+    "ride 256": lambda: FairPolicy(params(short_extra_tokens=256)),
+    "ride 128, decode 0.2s": lambda: FairPolicy(params(short_extra_tokens=128, decode_every_chunks=1, decode_interval_s=0.2)),
+    "ride 128, decode 0.3s": lambda: FairPolicy(params(short_extra_tokens=128, decode_every_chunks=1, decode_interval_s=0.3)),
+    "ride 128, decode 0.4s": lambda: FairPolicy(params(short_extra_tokens=128, decode_every_chunks=1, decode_interval_s=0.4)),
+    "ride, 0.3s, sjf cap 2": lambda: FairPolicy(params(short_extra_tokens=128, decode_every_chunks=1, decode_interval_s=0.3,
+                                                        long_overtake_max=2)),
+}
+
+METRICS = ("mean", "p90", "p99", "short_p90", "long_mean", "tpot", "throughput")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--capacity", type=float, default=3.8)
-    ap.add_argument("--seeds", type=int, default=6)
+    ap.add_argument("--mix", choices=sorted(MIXES), default="issue")
+    ap.add_argument("--capacity", type=float, default=CAPACITY)
+    ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--requests", type=int, default=200)
-    ap.add_argument("--heavy", action="store_true", help="10%% long prompts, log-uniform 2K-8K")
+    ap.add_argument("--ctx-model", choices=("token", "pass", "half"), default="half")
+    ap.add_argument("--check", action="store_true", help="only fcfs and the recorded fair_sched config, per seed")
     args = ap.parse_args()
-    mix = (0.10, 2000, 8000, True) if args.heavy else (0.05, 2500, 5000, False)
-    variants: dict[str, tuple[Any, bool]] = {
-        "fcfs": (None, False), "fcfs+mixed": (None, True),
-        "fair, decode yield /2": (lambda: FairPolicy(params(decode_every_chunks=2)), False),
-        "fair, no mixing": (lambda: FairPolicy(params()), False),
-        "fair (defaults)": (lambda: FairPolicy(params()), True),
-        "fair, share 0.5": (lambda: FairPolicy(params(long_min_share=0.5)), True),
-    }
+    cm = costs(args.ctx_model)
+    variants = {k: VARIANTS[k] for k in ("fcfs", "fair 09:09 (share 0.25)")} if args.check else VARIANTS
     for load in (0.6, 0.85):
         res: dict[str, list[dict[str, float]]] = {k: [] for k in variants}
         for seed in range(args.seeds):
-            tr = trace(args.requests, load * args.capacity, seed, *mix)
-            for name, (make, mixed) in variants.items():
-                res[name].append(run(tr, make() if make else None, mixed))
-        base = {m: statistics.fmean(x[m] for x in res["fcfs"]) for m in res["fcfs"][0]}
-        print(f"load {load}: fcfs " + " ".join(f"{m}={v:.3f}" for m, v in base.items()))
+            jobs = make_trace(MIXES[args.mix], args.requests, load * args.capacity, seed)
+            for name, make in variants.items():
+                res[name].append(simulate(jobs, make, cm))
+        base = {m: statistics.fmean(x[m] for x in res["fcfs"]) for m in METRICS}
+        print(f"load {load} ({args.ctx_model}): fcfs " + " ".join(f"{m}={v:.3f}" for m, v in base.items()))
         for name, rows in res.items():
-            avg = {m: statistics.fmean(x[m] for x in rows) for m in rows[0]}
-            print(f"  {name:22s} " + " ".join(f"{m}={avg[m] / base[m]:.2f}x" for m in avg))
+            avg = {m: statistics.fmean(x[m] for x in rows) for m in METRICS}
+            per_seed = " ".join(f"s{s}:p99={rows[s]['p99'] / res['fcfs'][s]['p99']:.2f}x" for s in range(len(rows)))
+            print(f"  {name:26s} " + " ".join(f"{m}={avg[m] / base[m]:.2f}x" for m in METRICS) + f"  [{per_seed}]")
 
 
 if __name__ == "__main__":

@@ -26,6 +26,12 @@ class FairSchedConfig:
     """Uncached prompt tokens up to which a request counts as one-chunk; 0: one budget."""
     decode_every_chunks: int = 2
     """While requests decode, a long prefill sits out one pass (a decode step) after this many chunks; 0: never."""
+    decode_interval_s: float = 0.0
+    """With > 0, a decode step also waits until the last decode is this many seconds old (0: chunk count only)."""
+    short_extra_tokens: int = -1
+    """Extra pass tokens for one-chunk requests riding along a full long chunk; -1: one budget; 0: off (they share the budget)."""
+    long_overtake_max: int = 2
+    """Waiting long prompts go shortest first, each overtaken by at most this many younger ones; 0: first come first served."""
     mixed_decode: bool = False
     """Running requests decode one token inside every prefill pass (SGLang's mixed chunk), so prefills never stall them."""
     kv_high_watermark: float = 0.95
@@ -47,6 +53,12 @@ class FairSchedConfig:
         for name in ("budget_tokens", "base_quota_tokens", "max_quota_tokens", "one_chunk_tokens", "decode_every_chunks", "loop_min_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.short_extra_tokens < -1:
+            raise ValueError(f"short_extra_tokens must be >= -1 (-1: one budget), got {self.short_extra_tokens}")
+        if self.long_overtake_max < 0:
+            raise ValueError(f"long_overtake_max must be >= 0, got {self.long_overtake_max}")
+        if not 0.0 <= self.decode_interval_s <= 60.0:
+            raise ValueError(f"decode_interval_s must be in [0, 60], got {self.decode_interval_s}")
         if self.budget_tokens == 1:
             raise ValueError("budget_tokens must be 0 (use SGLang's chunk size) or >= 2, got 1")
         if not self.quota_growth >= 1.0:
@@ -94,4 +106,7 @@ class FairSchedConfig:
             one_chunk_tokens=self.one_chunk_tokens,
             decode_every_chunks=self.decode_every_chunks,
             page_size=page_size,
+            short_extra_tokens=budget if self.short_extra_tokens < 0 else self.short_extra_tokens,
+            long_overtake_max=self.long_overtake_max,
+            decode_interval_s=self.decode_interval_s,
         )

@@ -25,14 +25,14 @@ PATCHES: tuple[PatchSpec, ...] = (
         target=f"{_POLICY}.calc_priority",
         impl=f"{ADAPTER}:around_calc_priority",
         kind="around",
-        why="admission order: one-chunk requests first, the oldest long request right after the ones that fit beside it",
+        why="admission order: one-chunk requests first, the next long request (oldest, or shortest within the overtake cap) right after the ones that fit beside it",
         upstream="a registry of schedule policies (--schedule-policy NAME from a plugin)",
     ),
     PatchSpec(
         target=f"{_POLICY}.shortest_prefill_chunk_limit",
         impl=f"{ADAPTER}:around_shortest_prefill_chunk_limit",
         kind="around",
-        why="cap the continuing chunk so waiting one-chunk requests share the pass (the stock cap exists only for shortest-prefill-first)",
+        why="cap the continuing chunk so waiting one-chunk requests share the pass or ride beside it (the stock cap exists only for shortest-prefill-first)",
         upstream="a chunk-limit hook that is not tied to one built-in policy",
     ),
     PatchSpec(
@@ -40,7 +40,8 @@ PATCHES: tuple[PatchSpec, ...] = (
         impl=f"{ADAPTER}:around_get_prefill_adder_class",
         kind="around",
         why="PrefillAdder subclass: refuse a second partially prefilled request (stock refuses it only under "
-        "shortest-prefill-first) and admit nothing while the watermark gate is closed",
+        "shortest-prefill-first), admit nothing while the watermark gate is closed, and add the riding "
+        "one-chunk requests' extra tokens to the pass's chunk budget",
         upstream="none needed: this is SGLang's override point; a policy-neutral 'one chunked request' guard would drop the refusal",
     ),
     PatchSpec(
@@ -86,6 +87,9 @@ def kllm_declare() -> PluginSpec:
             OptionSpec("long_min_share", float, d.long_min_share, "fraction of the pass budget the active long prefill keeps"),
             OptionSpec("one_chunk_tokens", int, d.one_chunk_tokens, "uncached tokens up to which a request goes first (0: one budget)"),
             OptionSpec("decode_every_chunks", int, d.decode_every_chunks, "decode step after this many long-prefill chunks while requests decode (0: never)"),
+            OptionSpec("decode_interval_s", float, d.decode_interval_s, "a decode step also waits until the last one is this old (0: chunk count only)"),
+            OptionSpec("short_extra_tokens", int, d.short_extra_tokens, "pass tokens beyond the budget for one-chunk requests riding along a full long chunk (-1: one budget, 0: off)"),
+            OptionSpec("long_overtake_max", int, d.long_overtake_max, "waiting long prompts go shortest first, each overtaken at most this often (0: FCFS)"),
             OptionSpec("mixed_decode", parse_bool, d.mixed_decode, "running requests decode inside every prefill pass (SGLang's mixed chunk)"),
             OptionSpec("kv_high_watermark", float, d.kv_high_watermark, "KV usage that pauses admission of new requests"),
             OptionSpec("kv_low_watermark", float, d.kv_low_watermark, "KV usage below which admission resumes"),

@@ -56,6 +56,8 @@ class _State:
         self.policy = FairPolicy(cfg.quota_params(chunk_tokens, page_size))
         self.gate = WatermarkGate(cfg.kv_high_watermark, cfg.kv_low_watermark)
         self.long_limit: int | None = None
+        self.extra_tokens = 0
+        """Tokens the current pass's adder adds to its chunk budget for riding one-chunk requests."""
         self.pass_budget: int | None = None
         self.parked: Any = None
         self.admit = True
@@ -69,6 +71,7 @@ class _State:
             "yields_to_decode": 0,
             "yields_to_short": 0,
             "limited_passes": 0,
+            "ride_passes": 0,
             "shorts_beside_long": 0,
             "recomputed_tokens": 0,
             "second_truncation_refused": 0,
@@ -87,6 +90,7 @@ class _State:
 
     def snapshot(self) -> dict[str, Any]:
         snap: dict[str, Any] = dict(self.counters)
+        snap["long_overtakes"] = self.policy.total_overtakes
         snap.update(self.gate.state())
         p = self.policy.params
         snap.update(budget_tokens=p.budget_tokens, base_quota_tokens=p.base_quota_tokens,
@@ -190,7 +194,8 @@ def around_get_new_batch_prefill_raw(original: Callable[..., Any], self: Any, *a
     budget = int(self.chunked_prefill_size) - len(running_batch.reqs) if mixing and running_batch is not None else None
     # While the gate is closed nothing new is admitted, so there is nobody to yield to or reserve for.
     waiting = _items(self.waiting_queue) if st.admit else []
-    plan = pol.plan(waiting, decode_running, budget) if cr is not None else PassPlan("admit")
+    now = time.monotonic()
+    plan = pol.plan(waiting, decode_running, budget, now=now) if cr is not None else PassPlan("admit")
     st.pass_budget = budget
     if plan.action == "yield":
         st.counters[f"yields_to_{plan.yield_to}"] += 1
@@ -198,7 +203,7 @@ def around_get_new_batch_prefill_raw(original: Callable[..., Any], self: Any, *a
         if plan.yield_to == "decode":
             st.pass_budget = None
             st.publish(True)
-            return None, running_batch
+            return None, running_batch  # plan() noted this decode step
         self.chunked_req = None
         st.parked = cr
         st.pass_budget = None
@@ -215,14 +220,20 @@ def around_get_new_batch_prefill_raw(original: Callable[..., Any], self: Any, *a
             st.parked = None
     else:
         st.long_limit = plan.long_limit
-        if plan.long_limit is not None:
+        st.extra_tokens = plan.extra_tokens
+        if plan.extra_tokens:
+            st.counters["ride_passes"] += 1
+        elif plan.long_limit is not None:
             st.counters["limited_passes"] += 1
         try:
             result = original(self, *args, **kwargs)
         finally:
             st.long_limit = None
+            st.extra_tokens = 0
     st.pass_budget = None
     batch = result[0] if isinstance(result, tuple) else None
+    if batch is None and decode_running:
+        pol.note_decode(now)  # no prefill this pass: the scheduler decodes the running requests
     try:
         _observe(st, self, batch)
     except Exception:  # noqa: BLE001 - bookkeeping must never take the scheduler down
@@ -278,7 +289,8 @@ def _observe(st: _State, scheduler: Any, batch: Any) -> None:
 def around_calc_priority(original: Callable[..., Any], self: Any, waiting_queue: list[Any], *args: Any, **kwargs: Any) -> Any:
     result = original(self, waiting_queue, *args, **kwargs)
     st = _state
-    if st is not None and len(waiting_queue) > 1:
+    if st is not None and waiting_queue:
+        # Also for a single request: the policy tracks which waiting long requests were overtaken.
         items = _items(waiting_queue)
         order = st.policy.order(items, st.pass_budget)
         waiting_queue[:] = [waiting_queue[i] for i in order]
@@ -306,7 +318,14 @@ def _fair_adder(base: type) -> type:
     from sglang.srt.managers.schedule_policy import AddReqResult
 
     class FairPrefillAdder(base):  # type: ignore[misc, valid-type]
-        """Refuses a second partially prefilled request and admission while the gate is closed."""
+        """Refuses a second partially prefilled request and admission while the gate is closed;
+        on a riding pass its chunk budget has room for the one-chunk requests beside the long chunk."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            st = _state
+            if st is not None and st.extra_tokens and self.rem_chunk_tokens is not None:
+                self.rem_chunk_tokens += st.extra_tokens
 
         def add_one_req(self, req: Any, has_chunked_req: bool, truncation_align_size: Any) -> Any:
             st = _state

@@ -38,7 +38,9 @@ def adapter(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 
     monkeypatch.setenv("KLLM_RUN_DIR", str(tmp_path))
     sglang_adapter.reset_for_tests()
-    sglang_adapter._state = sglang_adapter._State(FairSchedConfig(decode_every_chunks=2), 128, 1)
+    # Budget sharing (riding off) and FCFS long order here; the riding pass has its own test.
+    cfg = FairSchedConfig(decode_every_chunks=2, short_extra_tokens=0, long_overtake_max=0)
+    sglang_adapter._state = sglang_adapter._State(cfg, 128, 1)
     yield sglang_adapter
     sglang_adapter.reset_for_tests()
 
@@ -173,6 +175,46 @@ def test_pass_planner_yields_by_detaching_the_chunked_request(env: SimpleNamespa
     out = adapter.around_get_new_batch_prefill_raw(original, sched, prefill_delayer_single_pass=None, running_batch=running_dec)
     assert out == (None, running_dec) and len(seen) == calls
     assert st.counters["yields_to_decode"] == 1
+
+
+def test_riding_pass_keeps_the_long_chunk_whole_and_admits_the_short_beside_it(env: SimpleNamespace, adapter: Any) -> None:
+    from kllm_plugins.plugins.fair_sched.config import FairSchedConfig
+
+    adapter._state = st = adapter._State(FairSchedConfig(), 128, 1)  # defaults: one budget of extra tokens
+    long_req = make_req(env, "ride-long", 3000, 0.0)
+    long_req.init_next_round_input(env.cache)
+    st.policy.start_long("ride-long", 3000)
+    st.policy.record_run("ride-long", 128)
+    short = make_req(env, "ride-short", 100, 1.0)
+    sched = _FakeScheduler(env, long_req, [short])
+    policy = env.SchedulePolicy("fcfs", env.cache, False, False, False)
+    built: dict[str, Any] = {}
+
+    def original(self: Any, prefill_delayer_single_pass: Any, running_batch: Any) -> Any:
+        # The steps of SGLang's batch builder that involve the adder, in its order.
+        adder = new_adder(env, adapter.around_get_prefill_adder_class(lambda s: env.PrefillAdder, self))
+        self.chunked_req.init_next_round_input(env.cache)
+        adder.chunked_req_limit = adapter.around_shortest_prefill_chunk_limit(
+            env.SchedulePolicy.shortest_prefill_chunk_limit, policy, self.chunked_req, self.waiting_queue,
+            adder.rem_chunk_tokens, 1)
+        self.chunked_req = adder.add_chunked_req(self.chunked_req)
+        for r in self.waiting_queue:
+            r.init_next_round_input(env.cache)
+            adder.add_one_req(r, has_chunked_req=True, truncation_align_size=None)
+        built["adder"] = adder
+        return None, running_batch
+
+    running = env.ScheduleBatch(reqs=[], batch_is_full=False)
+    adapter.around_get_new_batch_prefill_raw(original, sched, prefill_delayer_single_pass=None, running_batch=running)
+    adder = built["adder"]
+    # The long request's chunk is the whole budget; the short rides in the extra tokens.
+    assert long_req.extend_end - long_req.prefix_len == 128
+    assert adder.can_run_list == [long_req, short] and short.extend_end - short.prefix_len == 100
+    assert st.counters["ride_passes"] == 1 and st.counters["yields_to_short"] == 0
+    assert st.extra_tokens == 0 and st.long_limit is None  # only for that pass
+    # Stock fcfs with the same budget would have left the short waiting (no room beside 128).
+    stock = new_adder(env, env.PrefillAdder)
+    assert stock.rem_chunk_tokens == 128
 
 
 def test_load_section_reads_the_scheduler_snapshot_for_its_dp_rank(tmp_path: Any, adapter: Any) -> None:

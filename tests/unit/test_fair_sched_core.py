@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from kllm_plugins.plugins.fair_sched.core.quota import (
     FairPolicy,
+    PassPlan,
     QuotaParams,
     WaitingItem,
     max_stretch_bound,
@@ -96,9 +97,71 @@ def test_yield_bound_counts_turns_until_work_is_covered() -> None:
     assert yield_bound(10**9, params(max_yields=5)) == 5
 
 
+def test_riding_shorts_leave_the_long_chunk_whole() -> None:
+    pol = FairPolicy(params(short_extra_tokens=128, page_size=16))
+    pol.start_long("L", 3000)
+    plan = pol.plan([WaitingItem("a", 20, 0), WaitingItem("b", 90, 1)], decode_running=False)
+    # ceil-paged 32 + 96 = 128 ride on top of the budget; the long chunk keeps all 128 tokens.
+    assert (plan.action, plan.long_limit, plan.reserved_tokens, plan.extra_tokens) == ("run", 128, 128, 128)
+    assert pol.plan([], decode_running=False) == PassPlan("run")
+    # What does not fit in the extra tokens blocks; the long request yields only after its quota.
+    crowd = [WaitingItem("a", 100, 0), WaitingItem("b", 100, 1)]
+    assert pol.plan(crowd, decode_running=False).extra_tokens == 112
+    pol.record_run("L", 128)
+    assert (pol.plan(crowd, decode_running=False).yield_to) == "short"
+    # The stated bound counts full-budget running passes and the larger pass.
+    p = pol.params
+    assert pass_bound(1280, p) == 10 + yield_bound(1280, p)
+    assert stretch_bound(1280, p) == pytest.approx(pass_bound(1280, p) / 10 * 2.0)
+
+
+def test_waiting_longs_go_shortest_first_within_the_overtake_cap() -> None:
+    pol = FairPolicy(params(long_overtake_max=2))
+    queue = [WaitingItem("old", 4000, 0), WaitingItem("mid", 3000, 1), WaitingItem("s", 50, 2),
+             WaitingItem("new1", 2000, 3), WaitingItem("new2", 2500, 4)]
+
+    def start_next(q: list[WaitingItem]) -> str:
+        order = [q[i].rid for i in pol.order(q)]
+        nxt = next(r for r in order if r != "s")
+        pol.start_long(nxt, 1000)
+        pol.finish_long(nxt)
+        q[:] = [w for w in q if w.rid != nxt]
+        return nxt
+
+    q = list(queue)
+    assert start_next(q) == "new1"  # shortest; overtakes old and mid
+    assert pol.overtaken == {"old": 1, "mid": 1}
+    assert start_next(q) == "new2"  # overtakes them again: both now at the cap
+    assert start_next(q) == "old"  # capped: the oldest goes next, shorter "mid" or not
+    assert start_next(q) == "mid"
+    assert pol.total_overtakes == 4
+    # With the cap at 0 (the stock order) the oldest always goes first.
+    fcfs = FairPolicy(params())
+    assert [queue[i].rid for i in fcfs.order(queue)][:2] == ["s", "old"]
+
+
+def test_decode_interval_spaces_decode_steps_on_a_simulated_clock() -> None:
+    pol = FairPolicy(params(decode_every_chunks=1, decode_interval_s=0.5))
+    pol.start_long("L", 3000)
+    pol.note_decode(0.0)
+    pol.record_run("L", 128)
+    assert pol.plan([], decode_running=True, now=0.3).action == "run"  # last decode only 0.3 s ago
+    pol.record_run("L", 128)
+    plan = pol.plan([], decode_running=True, now=0.6)
+    assert (plan.action, plan.yield_to, pol.last_decode_s) == ("yield", "decode", 0.6)
+    # Right after a decode step: at least one chunk first, whatever the clock says.
+    assert pol.plan([], decode_running=True, now=5.0).action == "run"
+    pol.record_run("L", 128)
+    assert pol.plan([], decode_running=False, now=9.0).action == "run"  # nobody decodes
+    pol.note_decode(9.0)  # a decode pass the scheduler ran on its own
+    assert pol.plan([], decode_running=True, now=9.2).action == "run"
+    assert pol.params.decode_spacing_chunks == 1
+
+
 @pytest.mark.parametrize("bad", [
     dict(budget_tokens=1), dict(quota_growth=0.9), dict(max_quota_tokens=64), dict(max_yields=-1),
     dict(long_min_share=0.0), dict(long_min_share=1.5), dict(page_size=0), dict(decode_every_chunks=-1),
+    dict(short_extra_tokens=-1), dict(long_overtake_max=-1), dict(decode_interval_s=-1.0),
 ])
 def test_bad_params_name_the_field(bad: dict[str, object]) -> None:
     with pytest.raises(ValueError, match=next(iter(bad))):
@@ -121,6 +184,9 @@ def scenarios(draw: st.DrawFn) -> tuple[QuotaParams, list[list[tuple[str, int]]]
         long_min_share=draw(st.sampled_from([0.1, 0.25, 0.5, 1.0])),
         decode_every_chunks=draw(st.integers(0, 3)),
         page_size=page,
+        short_extra_tokens=draw(st.sampled_from([0, 0, page, budget, 2 * budget])),
+        long_overtake_max=draw(st.sampled_from([0, 0, 1, 2, 3])),
+        decode_interval_s=draw(st.sampled_from([0.0, 0.0, 0.5, 3.0])),
     )
     n_passes = draw(st.integers(1, 30))
     arrivals: list[list[tuple[str, int]]] = []
@@ -159,12 +225,19 @@ def test_no_starvation_and_no_recompute(scn: tuple[QuotaParams, list[list[tuple[
     for r in res.requests.values():
         start = r.active_pass if r.active_pass is not None else r.done_pass
         assert start is not None
+        if r.work_tokens > p.budget_tokens:
+            # Overtaken by at most long_overtake_max younger long requests.
+            overtakers = [o for o in res.requests.values() if seq[o.rid] > seq[r.rid] and o.work_tokens > p.budget_tokens
+                          and o.active_pass is not None and r.arrival_pass <= o.active_pass < start]
+            assert len(overtakers) <= p.long_overtake_max, (r.rid, [o.rid for o in overtakers])
         for k in range(r.arrival_pass, start):
             if r.work_tokens > p.budget_tokens:
-                # A long request waits only behind older requests that are long or hold the single
-                # chunked slot (FCFS among them), never behind a stream of one-chunk requests.
+                # A long request waits only behind requests that are long or hold the single
+                # chunked slot: older ones, or (within the overtake cap) the younger one that
+                # holds the slot; never behind a stream of one-chunk requests.
                 assert any(
-                    seq[o.rid] < seq[r.rid] and (o.work_tokens > p.budget_tokens or o.rid in active_spans)
+                    (seq[o.rid] < seq[r.rid] or (o.active_pass is not None and o.active_pass <= k))
+                    and (o.work_tokens > p.budget_tokens or o.rid in active_spans)
                     and o.done_pass is not None and o.done_pass >= k
                     for o in res.requests.values()
                 ), (r.rid, k)
@@ -212,11 +285,14 @@ def test_long_requests_finish_within_k_times_solo_latency(
     scn: tuple[QuotaParams, list[list[tuple[str, int]]], list[bool]], base_s: float, per_token_s: float, decode_frac: float
 ) -> None:
     """Stated bound: a long request finishes within K x the solo latency of itself and the long
-    requests still unfinished ahead of it (long requests are FCFS among themselves), plus two
-    passes each (arrival mid-pass, a short first chunk). K = max stretch_bound(W). Pass costs:
-    prefill base + per token, a decode step at most one full-budget pass; adversarial arrivals."""
+    requests served before it since its arrival (the older ones still unfinished, and at most
+    long_overtake_max younger ones), plus two of the largest passes each (arrival mid-pass, a
+    short first chunk). K = max stretch_bound(W). Pass costs: prefill base + per token (riding
+    passes prefill up to max_pass_tokens), a decode step at most one full-budget pass;
+    adversarial arrivals."""
     p, arrivals, decode = scn
     full_s = base_s + per_token_s * p.budget_tokens
+    max_pass_s = base_s + per_token_s * p.max_pass_tokens
 
     def cost(tokens: int, decoding: bool) -> float:
         return base_s + per_token_s * tokens if tokens or not decoding else decode_frac * full_s
@@ -229,13 +305,16 @@ def test_long_requests_finish_within_k_times_solo_latency(
         if r.work_tokens <= p.budget_tokens:
             continue  # one-chunk requests: see test_no_starvation_and_no_recompute
         assert r.done_pass is not None
+        start = r.active_pass if r.active_pass is not None else r.done_pass
         ahead = [o for o in reqs if seq[o.rid] < seq[r.rid] and (o.rid in holds_slot or o.work_tokens > p.budget_tokens)
                  and o.done_pass is not None and o.done_pass >= r.arrival_pass]
-        chain = ahead + [r]
+        overtakers = [o for o in reqs if seq[o.rid] > seq[r.rid] and o.rid in holds_slot and o.active_pass is not None
+                      and r.arrival_pass <= o.active_pass <= start and o is not r]
+        chain = ahead + overtakers + [r]
         k = max(stretch_bound(o.work_tokens, p) for o in chain)
         solo_s = sum(solo_passes(o.work_tokens, p) * full_s for o in chain)
         elapsed = res.pass_end_s[r.done_pass] - res.start_s(r.arrival_pass)
-        assert elapsed <= k * solo_s + 2 * len(chain) * full_s + 1e-9, (r.rid, elapsed, k, solo_s)
+        assert elapsed <= k * solo_s + 2 * len(chain) * max_pass_s + 1e-9, (r.rid, elapsed, k, solo_s)
 
 
 def test_stretch_bound_of_the_defaults_for_the_issue_mix() -> None:

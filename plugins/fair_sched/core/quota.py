@@ -24,13 +24,23 @@ the part of the budget the one-chunk requests leave; serving them first-come-fir
 the budget among several (processor sharing) delays all of them. SGLang's single chunked
 slot therefore is not what limits fairness here.
 
+* with `short_extra_tokens` > 0 the long request is not cut down at all: waiting one-chunk
+  requests ride along its full chunk in up to `short_extra_tokens` extra tokens of that pass
+  (a pass then costs the long chunk plus a few short-context tokens, instead of a smaller long
+  chunk and one more pass at long context later); only those that do not fit there can make it
+  yield (quota rules above).
+* among waiting long requests, `long_overtake_max` > 0 starts the shortest first (smaller mean
+  completion time), but no long request is overtaken by more than `long_overtake_max` younger
+  ones; 0 keeps them first-come-first-served.
+
 Starvation bound (`pass_bound`): once a long request of W uncached tokens is active, every
-pass either runs at least min(remaining, min_long_tokens) of its tokens or is a yield; it
-yields to one-chunk requests at most `yield_bound(W)` times and to decode at most once per
-`decode_every_chunks` running passes; so it completes within
-R + yield_bound(W) + ceil(R / decode_every_chunks) passes, R = ceil(W / min_long_tokens). A waiting long request is started on
-the first pass in which no long request is active: `order` puts the oldest waiting long
-request right after the one-chunk requests that fit beside its minimum share.
+pass either runs at least min(remaining, m) of its tokens (m = the full budget with
+`short_extra_tokens`, else `min_long_tokens`) or is a yield; it yields to one-chunk requests at
+most `yield_bound(W)` times and to decode at most once per `decode_every_chunks` running passes;
+so it completes within R + yield_bound(W) + ceil(R / decode_every_chunks) passes,
+R = ceil(W / m). A waiting long request is started on the first pass in which no long request is
+active, behind the older long requests and at most `long_overtake_max` younger (shorter) ones:
+`order` puts it right after the one-chunk requests that fit beside its minimum share.
 """
 from __future__ import annotations
 
@@ -63,6 +73,12 @@ class QuotaParams:
     decode_every_chunks: int = 0
     """While requests are decoding, give them one pass after every this many long chunks (0: never)."""
     page_size: int = 1
+    short_extra_tokens: int = 0
+    """Pass tokens beyond the budget for one-chunk requests riding along a full long chunk (0: they share the budget)."""
+    long_overtake_max: int = 0
+    """Waiting long requests go shortest first, each overtaken by at most this many younger ones (0: FCFS)."""
+    decode_interval_s: float = 0.0
+    """With > 0: a decode step comes when the last one is this old (and at least max(decode_every_chunks, 1) chunks ago)."""
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -85,6 +101,12 @@ class QuotaParams:
             raise ValueError(f"one_chunk_tokens must be >= 0, got {self.one_chunk_tokens}")
         if self.decode_every_chunks < 0:
             raise ValueError(f"decode_every_chunks must be >= 0, got {self.decode_every_chunks}")
+        if self.short_extra_tokens < 0:
+            raise ValueError(f"short_extra_tokens must be >= 0, got {self.short_extra_tokens}")
+        if not self.decode_interval_s >= 0.0:
+            raise ValueError(f"decode_interval_s must be >= 0, got {self.decode_interval_s}")
+        if self.long_overtake_max < 0:
+            raise ValueError(f"long_overtake_max must be >= 0, got {self.long_overtake_max}")
 
     @property
     def one_chunk_limit(self) -> int:
@@ -95,6 +117,23 @@ class QuotaParams:
         """Page-aligned minimum share of the active long request on a running pass."""
         raw = int(self.budget_tokens * self.long_min_share) // self.page_size * self.page_size
         return min(max(raw, self.page_size), self.budget_tokens)
+
+    @property
+    def decode_spacing_chunks(self) -> int:
+        """Fewest long chunks between two decode steps (0: no decode steps)."""
+        if self.decode_interval_s > 0:
+            return max(self.decode_every_chunks, 1)
+        return self.decode_every_chunks
+
+    @property
+    def long_run_tokens(self) -> int:
+        """Tokens the active long request prefills at least on a running pass (before its last)."""
+        return self.budget_tokens if self.short_extra_tokens else self.min_long_tokens
+
+    @property
+    def max_pass_tokens(self) -> int:
+        """Most new tokens one pass prefills (the budget plus the riding one-chunk requests)."""
+        return self.budget_tokens + self.ceil_page(self.short_extra_tokens) if self.short_extra_tokens else self.budget_tokens
 
     def next_quota(self, quota: int) -> int:
         return min(self.max_quota_tokens, max(quota + 1, math.ceil(quota * self.quota_growth))) if self.quota_growth > 1.0 else quota
@@ -128,12 +167,13 @@ def pass_bound(work_tokens: int, params: QuotaParams, first_chunk: int | None = 
     """Passes within which an active long request of `work_tokens` completes, counted from the
     pass of its first chunk (see module doc). Give `first_chunk` when that chunk may have been
     smaller than the minimum share (a request truncated into a partly used pass)."""
-    m = params.min_long_tokens
+    m = params.long_run_tokens
     if first_chunk is None or first_chunk >= m:
         run_passes = -(-work_tokens // m)
     else:
         run_passes = 1 + -(-(work_tokens - first_chunk) // m)
-    decode_passes = -(-run_passes // params.decode_every_chunks) if params.decode_every_chunks else 0
+    spacing = params.decode_spacing_chunks
+    decode_passes = -(-run_passes // spacing) if spacing else 0
     return run_passes + yield_bound(work_tokens, params) + decode_passes
 
 
@@ -143,10 +183,12 @@ def solo_passes(work_tokens: int, params: QuotaParams) -> int:
 
 
 def stretch_bound(work_tokens: int, params: QuotaParams) -> float:
-    """K(W): completion time after activation over solo latency, when no pass (decode steps and
-    shared passes included) costs more than a pass that prefills a whole budget alone. For other
-    pass costs multiply by max pass cost / full-budget pass cost."""
-    return pass_bound(work_tokens, params) / solo_passes(work_tokens, params)
+    """K(W): completion time after activation over solo latency, when a pass costs a fixed part
+    plus a part proportional to its new tokens (so a pass of `max_pass_tokens` costs at most
+    max_pass_tokens / budget_tokens times a full-budget pass) and a decode step no more than a
+    full-budget pass. For other pass costs multiply by max pass cost / full-budget pass cost."""
+    ride = params.max_pass_tokens / params.budget_tokens
+    return pass_bound(work_tokens, params) / solo_passes(work_tokens, params) * ride
 
 
 def max_stretch_bound(lo: int, hi: int, params: QuotaParams) -> float:
@@ -196,6 +238,8 @@ class PassPlan:
     yield_to: YieldTo | None = None
     reserved_tokens: int = 0
     """Budget reserved for waiting one-chunk requests."""
+    extra_tokens: int = 0
+    """Tokens added to this pass's budget for them (`short_extra_tokens`; the long chunk keeps the budget)."""
 
 
 class FairPolicy:
@@ -207,6 +251,12 @@ class FairPolicy:
         self.finished: list[LongState] = []
         self.total_yields = 0
         self.total_yields_to_decode = 0
+        self.last_decode_s = -math.inf
+        """Clock of the last pass that decoded (`note_decode`, or a decode yield of `plan`)."""
+        self.overtaken: dict[str, int] = {}
+        """Waiting long request -> younger long requests started before it."""
+        self.total_overtakes = 0
+        self._waiting_longs: list[WaitingItem] = []
 
     def is_one_chunk(self, work_tokens: int) -> bool:
         return work_tokens <= self.params.one_chunk_limit
@@ -215,15 +265,20 @@ class FairPolicy:
     def order(self, waiting: Sequence[WaitingItem], budget: int | None = None) -> list[int]:
         """Admission order (indices into `waiting`): one-chunk requests first, oldest first.
 
-        With no long request active, the oldest waiting long request is placed right after the
+        With no long request active, the next long request (the oldest; with `long_overtake_max`
+        the shortest, unless an older one was overtaken that often) is placed right after the
         one-chunk requests that fit beside its minimum share, so it starts this pass. `budget`:
         this pass's budget when it is smaller than `budget_tokens` (decode rows riding along).
         """
         idx = sorted(range(len(waiting)), key=lambda i: waiting[i].seq)
         shorts = [i for i in idx if self.is_one_chunk(waiting[i].work_tokens)]
         longs = [i for i in idx if not self.is_one_chunk(waiting[i].work_tokens)]
+        self._waiting_longs = [waiting[i] for i in longs]
         if self.active is not None or not longs:
             return shorts + longs
+        first = self._next_long(longs, waiting)
+        longs.remove(first)
+        longs.insert(0, first)
         room = self._budget(budget) - self.params.min_long_tokens
         used = 0
         cut = 0
@@ -235,6 +290,17 @@ class FairPolicy:
             cut += 1
         return shorts[:cut] + longs[:1] + shorts[cut:] + longs[1:]
 
+    def _next_long(self, longs: list[int], waiting: Sequence[WaitingItem]) -> int:
+        """Index of the long request to start: the oldest (FCFS), or with `long_overtake_max` the
+        shortest unless an older one has been overtaken that many times already."""
+        cap = self.params.long_overtake_max
+        if not cap:
+            return longs[0]
+        for i in longs:  # oldest first
+            if self.overtaken.get(waiting[i].rid, 0) >= cap:
+                return i
+        return min(longs, key=lambda i: (waiting[i].work_tokens, waiting[i].seq))
+
     # -- per pass --------------------------------------------------------------------------
     def _budget(self, budget: int | None) -> int:
         p = self.params
@@ -242,10 +308,24 @@ class FairPolicy:
             return p.budget_tokens
         return min(max(budget, p.min_long_tokens), p.budget_tokens)
 
-    def plan(self, waiting: Sequence[WaitingItem], decode_running: bool, budget: int | None = None) -> PassPlan:
+    def note_decode(self, now: float) -> None:
+        """A pass decoded the running requests at clock `now` (seconds)."""
+        self.last_decode_s = now
+
+    def _decode_due(self, a: LongState, now: float | None) -> bool:
+        p = self.params
+        spacing = p.decode_spacing_chunks
+        if not spacing or a.chunks_since_decode < spacing:
+            return False
+        if p.decode_interval_s > 0 and now is not None:
+            return now - self.last_decode_s >= p.decode_interval_s
+        return True
+
+    def plan(self, waiting: Sequence[WaitingItem], decode_running: bool, budget: int | None = None,
+             now: float | None = None) -> PassPlan:
         """Decide this pass for the active long request (if any). A yield is committed here.
         `budget`: this pass's budget when smaller than `budget_tokens` (decode rows riding along
-        take part of it); a yield pass gets the whole `budget_tokens` (the adapter does not mix
+        take part of it); `now`: the clock in seconds (for `decode_interval_s`); a yield pass gets the whole `budget_tokens` (the adapter does not mix
         decode rows into it), so a blocked one-chunk request fits there."""
         a = self.active
         if a is None:
@@ -253,7 +333,9 @@ class FairPolicy:
         p = self.params
         shorts = sorted((w for w in waiting if self.is_one_chunk(w.work_tokens)), key=lambda w: w.seq)
         pass_budget = self._budget(budget)
-        room = pass_budget - p.min_long_tokens
+        # Riding along (short_extra_tokens): the long chunk keeps the whole pass budget and the
+        # one-chunk requests get tokens on top; else they take budget beyond its minimum share.
+        room = p.ceil_page(p.short_extra_tokens) if p.short_extra_tokens else pass_budget - p.min_long_tokens
         reserved = 0
         fitted = 0
         for w in shorts:
@@ -263,10 +345,14 @@ class FairPolicy:
             reserved += charge
             fitted += 1
         blocked = fitted < len(shorts)
-        if decode_running and p.decode_every_chunks and a.chunks_since_decode >= p.decode_every_chunks:
+        if decode_running and self._decode_due(a, now):
             # Decode steps do not wait for the whole long prefill; this costs the long request
-            # one decode step per `decode_every_chunks` chunks and does not touch its quota.
+            # at most one decode step per `decode_spacing_chunks` chunks (fewer with
+            # `decode_interval_s`: only when the running requests' last token is that old)
+            # and does not touch its quota.
             a.chunks_since_decode = 0
+            if now is not None:
+                self.last_decode_s = now
             a.decode_passes += 1
             self.total_yields_to_decode += 1
             return PassPlan("yield", yield_to="decode")
@@ -282,6 +368,8 @@ class FairPolicy:
             return PassPlan("yield", yield_to="short")
         if reserved == 0:
             return PassPlan("run")
+        if p.short_extra_tokens:
+            return PassPlan("run", long_limit=pass_budget, reserved_tokens=reserved, extra_tokens=reserved)
         limit = (pass_budget - reserved) // p.page_size * p.page_size
         return PassPlan("run", long_limit=max(limit, p.page_size), reserved_tokens=reserved)
 
@@ -293,6 +381,14 @@ class FairPolicy:
         if self.active is None:
             self.active = LongState(rid, work_tokens, self.params.base_quota_tokens)
             self.active.quotas.append(self.active.quota)
+            started = next((w for w in self._waiting_longs if w.rid == rid), None)
+            still = {w.rid for w in self._waiting_longs if w.rid != rid}
+            self.overtaken = {r: n for r, n in self.overtaken.items() if r in still}
+            if started is not None:
+                for w in self._waiting_longs:
+                    if w.seq < started.seq:
+                        self.overtaken[w.rid] = self.overtaken.get(w.rid, 0) + 1
+                        self.total_overtakes += 1
         return self.active
 
     def record_run(self, rid: str, tokens: int) -> None:

@@ -77,9 +77,13 @@ def simulate(
             break
         items = [WaitingItem(r, reqs[r].work_tokens - reqs[r].computed_tokens, seq[r]) for r in waiting]
         decode = bool(decode_running[k % len(decode_running)]) if decode_running else False
-        plan = policy.plan(items, decode)
+        plan = policy.plan(items, decode, now=now)
         budget = p.budget_tokens
+        used = 0
         active = policy.active
+        # SGLang keeps the chunked slot for the whole pass in which a long request was active (the
+        # adapter refuses a second truncation then), even if its last chunk is in this pass.
+        slot_held = active is not None
         if plan.action == "yield" and plan.yield_to == "decode":
             now += cost(0, True) if cost else 1.0
             clock.append(now)
@@ -95,6 +99,8 @@ def simulate(
             ran.append(req.rid)
             policy.record_run(req.rid, take)
             budget -= take
+            used += take
+            budget += plan.extra_tokens  # riding one-chunk requests get tokens beyond the budget
             if req.computed_tokens >= req.work_tokens:
                 req.done_pass = k
                 policy.finish_long(req.rid)
@@ -107,7 +113,7 @@ def simulate(
             need = req.work_tokens - req.computed_tokens
             if p.ceil_page(need) <= budget:
                 take = need
-            elif policy.active is None and not parked:
+            elif not slot_held and not parked:
                 take = budget // p.page_size * p.page_size
             else:
                 break
@@ -115,6 +121,7 @@ def simulate(
             ran.append(rid)
             req.started_pass = k
             budget -= p.ceil_page(take)
+            used += take
             waiting.remove(rid)
             if take < need:
                 policy.start_long(rid, need)
@@ -122,8 +129,9 @@ def simulate(
                 req.active_pass = k
             else:
                 req.done_pass = k
-        tokens = p.budget_tokens - budget
-        now += (cost(tokens, decode) if tokens else cost(0, decode)) if cost else 1.0
+        if not used and decode:
+            policy.note_decode(now)  # nothing to prefill: the pass decodes
+        now += (cost(used, decode) if used else cost(0, decode)) if cost else 1.0
         clock.append(now)
         k += 1
     del prefilled[k:]
