@@ -71,8 +71,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--routers", nargs="+", default=["kllm", "smg", "sglang-router"])
     ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--streams", choices=["both", "plain", "stream"], default="both",
+                    help="which request kinds to measure (a rerun of some rows keeps the others in the results file)")
+    ap.add_argument("--no-max-rate", action="store_true", help="skip the closed-loop maximum-rate runs")
     ap.add_argument("--no-record", action="store_true", help="do not write results or RESULTS.md (smoke runs)")
     args = ap.parse_args()
+    load_before = os.getloadavg()
     tmp = tempfile.mkdtemp(prefix="kllm-bench-")
     procs = []
     urls = []
@@ -101,8 +105,9 @@ def main() -> None:
         targets = [("direct", urls[0] + "/generate", None)] + [(n, u, pid) for n, (u, pid) in routers.items()]
         samples: dict[tuple[str, float, bool], list[dict[str, float]]] = {}
         max_rps: dict[str, list[float]] = {n: [] for n in routers}
-        cases = [(rate, stream) for rate in args.rates for stream in (False, True)]
-        total = args.rounds * (len(cases) * len(targets) + len(routers))
+        kinds = {"both": (False, True), "plain": (False,), "stream": (True,)}[args.streams]
+        cases = [(rate, stream) for rate in args.rates for stream in kinds]
+        total = args.rounds * (len(cases) * len(targets) + (0 if args.no_max_rate else len(routers)))
         done = 0
         for rnd in range(args.rounds):
             for rate, stream in cases:
@@ -118,6 +123,8 @@ def main() -> None:
                     print(f"\r[{done}/{total}] round {rnd + 1} {name} rate {rate:.0f} stream={stream}   ",
                           end="", file=sys.stderr, flush=True)
             for name, (url, _) in routers.items():
+                if args.no_max_rate:
+                    break
                 max_rps[name].append(asyncio.run(closed_loop(url, body_plain, args.concurrency, args.duration_s)))
                 done += 1
         print(file=sys.stderr)
@@ -139,13 +146,16 @@ def main() -> None:
                 "achieved_rps": med([r["achieved_rps"] for r in rs]),
                 "failed": sum(r["n"] - r["ok"] for r in rs),
                 "cpu_ms_per_req": med([r["cpu_ms_per_req"] for r in rs]),
-                "max_rps": med(max_rps[name]), "max_rps_rounds": [round(x, 1) for x in max_rps[name]],
-                "rounds": args.rounds})
+                "max_rps": med(max_rps[name]) if max_rps[name] else None,
+                "max_rps_rounds": [round(x, 1) for x in max_rps[name]],
+                "rounds": args.rounds, "measured": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                    timespec="minutes")})
     print("\nmedians over rounds; added = router - direct in the same round")
     print("router         rate  stream  added p50 ms  added p99 ms  cpu ms/req  failed  max rps")
     for r in rows:
         print(f"{r['router']:<14}{r['rate_rps']:>5.0f}  {str(r['stream']):<6}  {r['added_ms']['p50']:>12.3f}  "
-              f"{r['added_ms']['p99']:>12.3f}  {r['cpu_ms_per_req']:>10.3f}  {r['failed']:>6}  {r['max_rps']:>7.0f}")
+              f"{r['added_ms']['p99']:>12.3f}  {r['cpu_ms_per_req']:>10.3f}  {r['failed']:>6}  "
+              f"{r['max_rps'] if r['max_rps'] is not None else float('nan'):>7.0f}")
     by = {(r["router"], r["rate_rps"], r["stream"]): r for r in rows}
     ratios = []
     for rate, stream in cases:
@@ -154,23 +164,30 @@ def main() -> None:
             ratio = k["added_ms"]["p99"] / s["added_ms"]["p99"] if s["added_ms"]["p99"] > 0 else float("nan")
             ratios.append(f"rate {rate:.0f} stream={stream}: added P99 kllm {k['added_ms']['p99']:.3f} ms vs smg "
                           f"{s['added_ms']['p99']:.3f} ms (ratio {ratio:.2f}); P50 {k['added_ms']['p50']:.3f} vs "
-                          f"{s['added_ms']['p50']:.3f} ms")
+                          f"{s['added_ms']['p50']:.3f} ms; router P99 {k['router_ms']['p99']:.1f} vs "
+                          f"{s['router_ms']['p99']:.1f} ms, direct P99 {k['direct_ms']['p99']:.1f} ms")
             print(ratios[-1])
-    if "kllm" in routers and "smg" in routers:
+    if "kllm" in routers and "smg" in routers and not args.no_max_rate:
         print(f"max rate (closed loop, {args.concurrency} clients): kllm {med(max_rps['kllm']):.0f} req/s vs smg "
               f"{med(max_rps['smg']):.0f} req/s (ratio {med(max_rps['kllm']) / med(max_rps['smg']):.2f})")
+    load_after = os.getloadavg()
+    print(f"load average (1/5/15 min) before {load_before}, after {load_after}")
     if args.no_record:
         return
     command = " ".join(["python", *sys.argv])
-    merge_results("overhead", rows, command)
+    new = {(r["router"], r["rate_rps"], r["stream"]) for r in rows}
+    # a partial rerun (some rates or kinds) replaces only its own rows
+    merge_results("overhead", rows, command, keep=lambda r: (r["router"], r["rate_rps"], r["stream"]) not in new,
+                  command_key="overhead" if args.streams == "both" else f"overhead:{args.streams}")
     summary = "; ".join(
         f"{r['router']} {r['rate_rps']:.0f}/s{' stream' if r['stream'] else ''}: +{r['added_ms']['p50']:.2f}/"
-        f"+{r['added_ms']['p99']:.2f} ms" for r in rows)
-    maxes = ", ".join(f"{n} {med(v):.0f}" for n, v in max_rps.items())
+        f"+{r['added_ms']['p99']:.2f} ms (router P99 {r['router_ms']['p99']:.1f}, direct P99 "
+        f"{r['direct_ms']['p99']:.1f})" for r in rows)
+    maxes = ", ".join(f"{n} {med(v):.0f}" for n, v in max_rps.items() if v) or "not measured"
     with open("benchmarks/RESULTS.md", "a", encoding="utf-8") as fh:
         fh.write(f"| bigpd_router | router overhead {datetime.date.today()}, lean data path: 2 fake backends "
                  f"answering at once, open loop, {args.rounds} interleaved rounds x {args.duration_s:.0f} s, "
-                 f"medians; added P50/P99 over direct | {summary}; max closed-loop req/s: {maxes} | `{command}` |\n")
+                 f"medians; added P50/P99 over direct; load average before/after {load_before[0]:.2f}/{load_after[0]:.2f} | {summary}; max closed-loop req/s: {maxes} | `{command}` |\n")
 
 
 if __name__ == "__main__":

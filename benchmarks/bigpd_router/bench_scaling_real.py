@@ -129,7 +129,11 @@ def main() -> None:
     from kllm_plugins.models.tiny_llama import tiny_llama_path
 
     phases = list(zip(args.phase_s, args.clients))
-    rows = [asyncio.run(run(setup, phases, args, str(tiny_llama_path()))) for setup in args.setups]
+    rows = []
+    for setup in args.setups:
+        before = os.getloadavg()[0]
+        rows.append(asyncio.run(run(setup, phases, args, str(tiny_llama_path()))))
+        rows[-1]["load_avg_1min"] = [round(before, 2), round(os.getloadavg()[0], 2)]
     for r in rows:
         print(json.dumps(r))
     print("\nreal servers   SLO attainment  per phase              instance-seconds")
@@ -143,7 +147,8 @@ def main() -> None:
     merge_results("scaling", rows, command, keep=lambda r: r.get("simulated"))
     summary = "; ".join(f"{r['setup']}: {r['slo_attainment']:.3f} (phases "
                         f"{', '.join(str(p['attainment']) for p in r['per_phase'])}), {r['instance_seconds']:.0f} "
-                        f"instance-s, {r['requests']} req, decisions {r['scale_decisions']}" for r in rows)
+                        f"instance-s, {r['requests']} req, decisions {r['scale_decisions']}, load average before/after "
+                        f"{r['load_avg_1min']}" for r in rows)
     with open("benchmarks/RESULTS.md", "a", encoding="utf-8") as fh:
         fh.write(f"| bigpd_router | REAL tiny-model CPU servers (plain servers standing in for pools), shifting mix "
                  f"(decode-heavy, prefill-heavy, quiet), phases {args.phase_s} s, clients {args.clients}, TTFT <= "

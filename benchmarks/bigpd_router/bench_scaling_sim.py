@@ -76,17 +76,24 @@ def trace(seed: int, duration: float) -> list[Req]:
     return out
 
 
-def simulate(reqs: list[Req], setup: str, groups: int, start_delay: float, policy: ScalePolicy,
-             initial: int = 2, interval: float = 5.0, role_switch: bool = False,
-             switch_delay: float = 2.0) -> dict[str, Any]:
+def simulate(reqs: list[Req], setup: str, groups: int, start_delay: float,
+             policy: ScalePolicy | dict[Role, ScalePolicy],
+             initial: int | tuple[int, int] = 2, interval: float = 5.0, role_switch: bool = False,
+             switch_delay: float = 2.0, shape: tuple[int, int] = (1, 1)) -> dict[str, Any]:
+    """One run. fixed: `groups` groups of shape xPyD, a request stays inside its group; pools:
+    `initial` prefill and decode instances (an int or (P, D)), scaled by the controller with
+    `policy` (one for both pools or one per pool)."""
     insts: list[Inst] = []
     if setup == "fixed":
         for g in range(groups):
-            insts += [Inst(Role.PREFILL, 0.0, group=g), Inst(Role.DECODE, 0.0, group=g)]
+            insts += [Inst(Role.PREFILL, 0.0, group=g) for _ in range(shape[0])]
+            insts += [Inst(Role.DECODE, 0.0, group=g) for _ in range(shape[1])]
     else:
-        insts += [Inst(Role.PREFILL, 0.0) for _ in range(initial)]
-        insts += [Inst(Role.DECODE, 0.0) for _ in range(initial)]
-    deciders = {r: PoolDecider(r, policy) for r in (Role.PREFILL, Role.DECODE)}
+        n_p, n_d = (initial, initial) if isinstance(initial, int) else initial
+        insts += [Inst(Role.PREFILL, 0.0) for _ in range(n_p)]
+        insts += [Inst(Role.DECODE, 0.0) for _ in range(n_d)]
+    policies = policy if isinstance(policy, dict) else {Role.PREFILL: policy, Role.DECODE: policy}
+    deciders = {r: PoolDecider(r, policies[r]) for r in (Role.PREFILL, Role.DECODE)}
     ttft_recent: dict[Role, collections.deque] = {r: collections.deque() for r in Role}  # type: ignore[type-arg]
     pending = collections.deque(sorted(reqs, key=lambda r: r.t))
     now, inst_seconds, next_ctl = 0.0, 0.0, 0.0
@@ -98,10 +105,10 @@ def simulate(reqs: list[Req], setup: str, groups: int, start_delay: float, polic
             r = pending.popleft()
             pre = [i for i in live if i.role is Role.PREFILL and not i.draining]
             if setup == "fixed":
-                # a fair group router: least prefill backlog, then least decode batch
-                g = min(range(groups), key=lambda g: (sum(i.backlog() for i in pre if i.group == g),
-                                                      sum(len(i.batch) for i in live if i.group == g)))
-                target = next(i for i in pre if i.group == g)
+                # a fair group router: least prefill backlog per prefill instance, then least decode batch
+                g = min(range(groups), key=lambda g: (sum(i.backlog() for i in pre if i.group == g) / shape[0],
+                                                      sum(len(i.batch) for i in live if i.group == g) / shape[1]))
+                target = min((i for i in pre if i.group == g), key=lambda i: i.backlog())
             else:
                 target = min(pre, key=lambda i: i.backlog())
             target.queue.append(r)
@@ -172,16 +179,21 @@ def simulate(reqs: list[Req], setup: str, groups: int, start_delay: float, polic
                          sum(1 for i in insts if i.role is Role.DECODE)))
         now += DT
     ok = 0
+    missed: list[float] = []
     for r in reqs:
-        if r.done is None or r.done_prefill is None:
-            continue
-        ttft = r.done_prefill - r.t
-        tpot = (r.done - r.done_prefill) / max(1, r.out - 1)
-        ok += ttft <= TTFT_TARGET and tpot <= TPOT_TARGET
+        good = False
+        if r.done is not None and r.done_prefill is not None:
+            ttft = r.done_prefill - r.t
+            tpot = (r.done - r.done_prefill) / max(1, r.out - 1)
+            good = ttft <= TTFT_TARGET and tpot <= TPOT_TARGET
+        ok += good
+        if not good:
+            missed.append(round(r.t, 1))
     peak = max(p + d for _, p, d in timeline)
     return {"setup": setup, "simulated": True, "groups": groups if setup == "fixed" else None,
+            "shape": f"{shape[0]}P{shape[1]}D" if setup == "fixed" else None,
             "slo_attainment": round(ok / len(reqs), 4), "instance_seconds": round(inst_seconds, 1),
-            "peak_instances": peak}
+            "peak_instances": peak, "missed_at": missed, "timeline": timeline[::100]}
 
 
 def main() -> None:
@@ -219,6 +231,7 @@ def main() -> None:
                                   role_switch=args.role_switch, switch_delay=args.switch_delay_s),
                          seed=seed))
         for r in rows[-len(args.groups) - 1:]:
+            r.pop("missed_at"), r.pop("timeline")
             print(json.dumps(r))
     print("\nSIMULATION  setup              SLO attainment (mean, min)  instance-seconds (mean)")
     keys = [("fixed", g) for g in args.groups] + [("pools", None)]
@@ -237,7 +250,7 @@ def main() -> None:
     from loadgen import merge_results
 
     command = " ".join(["python", *sys.argv])
-    merge_results("scaling", rows, command, keep=lambda r: not r.get("simulated"))
+    merge_results("scaling", rows, command, keep=lambda r: not r.get("simulated") or r.get("sweep"))
     with open("benchmarks/RESULTS.md", "a", encoding="utf-8") as fh:
         fh.write(f"| bigpd_router | SIMULATION: shifting trace (decode-heavy, prefill-heavy, quiet; "
                  f"{args.duration_s:.0f} s), seeds {args.seeds} (held out from the policy choice), "

@@ -117,7 +117,8 @@ def py() -> str:
 
 
 def merge_results(key: str, rows: list[dict[str, Any]], command: str,
-                  path: str = "benchmarks/results/bigpd_router.json", keep: Any = None) -> None:
+                  path: str = "benchmarks/results/bigpd_router.json", keep: Any = None,
+                  command_key: str | None = None) -> None:
     """Put one part (overhead, scaling, routing) into the plugin's combined results file.
     `keep(row)`: rows of the part already there that stay (e.g. the simulated ones when the
     real-server run writes its own into the same "scaling" list)."""
@@ -128,7 +129,9 @@ def merge_results(key: str, rows: list[dict[str, Any]], command: str,
         with open(path, encoding="utf-8") as fh:
             data = json.load(fh)
     commands = dict(data.get("commands", {}))
-    commands[key if keep is None else f"{key}:{rows[0].get('simulated') if rows else ''}"] = command
+    if command_key is None:
+        command_key = key if keep is None else f"{key}:{rows[0].get('simulated') if rows else ''}"
+    commands[command_key] = command
     data["commands"] = commands
     data["command"] = " && ".join(commands[k] for k in sorted(commands))
     data[key] = ([r for r in data.get(key, []) if keep(r)] if keep else []) + rows

@@ -65,6 +65,22 @@ class RouterConfig:
     """Never scale a pool above this many instances."""
     drain_timeout_s: float = 120.0
     """Longest wait for in-flight requests on an instance being removed."""
+    min_prefill_instances: int = -1
+    """Minimum of the prefill pool (-1: min_instances)."""
+    min_decode_instances: int = -1
+    """Minimum of the decode pool (-1: min_instances)."""
+    scale_trend_lookahead_s: float = 0.0
+    """Extrapolate each pool's predicted Load this many seconds along its recent slope; the
+    projection counts as high Load (about an instance's start-up time; 0: off)."""
+    scale_trend_window_s: float = 30.0
+    """Seconds of predicted-Load samples the slope is fitted on."""
+    scale_down_after_up_s: float = 0.0
+    """No scale-down of a pool within this many seconds after its last scale-up."""
+
+    def pool_minimum(self, role: str) -> int:
+        """The minimum of one pool ("prefill", "decode" or "plain")."""
+        own = {"prefill": self.min_prefill_instances, "decode": self.min_decode_instances}.get(role, -1)
+        return self.min_instances if own < 0 else own
 
     def __post_init__(self) -> None:
         for name in ("ttft_target_s", "tpot_target_s", "request_timeout_s", "first_token_timeout_s",
@@ -94,6 +110,14 @@ class RouterConfig:
                 f"scale_down_load must be in [0, scale_up_load), got {self.scale_down_load} "
                 f"(scale_up_load={self.scale_up_load})"
             )
+        for name in ("scale_trend_lookahead_s", "scale_down_after_up_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not self.scale_trend_window_s > 0:
+            raise ValueError(f"scale_trend_window_s must be > 0, got {self.scale_trend_window_s}")
+        for name in ("min_prefill_instances", "min_decode_instances"):
+            if not -1 <= getattr(self, name) <= self.max_instances:
+                raise ValueError(f"{name} must be -1 or in [0, max_instances], got {getattr(self, name)}")
         if self.min_instances < 0:
             raise ValueError(f"min_instances must be >= 0, got {self.min_instances}")
         if self.max_instances < max(1, self.min_instances):

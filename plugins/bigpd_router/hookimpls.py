@@ -43,6 +43,11 @@ _HELP = {
     "min_instances": "minimum instances per pool",
     "max_instances": "maximum instances per pool",
     "drain_timeout_s": "longest wait for in-flight requests when removing an instance",
+    "min_prefill_instances": "minimum of the prefill pool (-1: min_instances)",
+    "min_decode_instances": "minimum of the decode pool (-1: min_instances)",
+    "scale_trend_lookahead_s": "seconds to extrapolate predicted Load along its slope before comparing (0: off)",
+    "scale_trend_window_s": "seconds of predicted-Load samples the slope is fitted on",
+    "scale_down_after_up_s": "no scale-down within this many seconds after the pool's last scale-up",
 }
 
 

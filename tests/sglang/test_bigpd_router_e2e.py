@@ -4,7 +4,9 @@ Plain mode: two ordinary servers publishing KV events (ZMQ), affinity routing on
 the router's block index checked against them, streaming, and one server killed in the middle
 of streams. PD mode: a prefill and a decode server paired by the router over
 SGLang's bootstrap protocol with the Mooncake transfer engine on TCP; the decode side's greedy
-output must equal the reference model's, which only holds if the KV really crossed over.
+output must equal the reference model's, which only holds if the KV really crossed over. Then
+the controller swaps the two servers' roles with SGLang's /pd_role_switch and the output must
+still equal the reference, with the KV now crossing the other way.
 """
 from __future__ import annotations
 
@@ -19,8 +21,9 @@ from typing import Any, AsyncIterator, Iterator
 import aiohttp
 import pytest
 
+from kllm_plugins.plugins.bigpd_router.actuators.local_process import LocalProcessActuator
 from kllm_plugins.plugins.bigpd_router.config import RouterConfig
-from kllm_plugins.plugins.bigpd_router.core.registry import Role
+from kllm_plugins.plugins.bigpd_router.core.registry import Health, Role
 from kllm_plugins.plugins.bigpd_router.core.request_shape import parse
 from kllm_plugins.plugins.bigpd_router.service.router import Router
 from kllm_plugins.testing.sglang_server import SGLangServer, start_all
@@ -30,8 +33,9 @@ pytestmark = [pytest.mark.sglang, pytest.mark.e2e]
 
 @contextlib.asynccontextmanager
 async def running_router(cfg: RouterConfig, instances: list[tuple[str, Role | None]],
-                         out: list[Router] | None = None) -> AsyncIterator[str]:
-    router = Router(cfg)
+                         out: list[Router] | None = None, actuator: Any = None,
+                         scaled: tuple[Role, ...] = ()) -> AsyncIterator[str]:
+    router = Router(cfg, actuator, scaled)
     if out is not None:
         out.append(router)
     async with router.serving(shutdown_timeout_s=5) as url:
@@ -161,21 +165,35 @@ def pd_pair(tiny_model_path: Path) -> Iterator[list[SGLangServer]]:
 
     env = {"MOONCAKE_PROTOCOL": "tcp", "MC_FORCE_TCP": "1",
            "KLLM_EXTRA_PLUGINS": "kllm_plugins.plugins.bigpd_router.hookimpls"}
-    common = ["--disaggregation-transfer-backend", "mooncake", "--dtype", "float32"]
+    # both servers can take either role (the test swaps them with /pd_role_switch), so both get
+    # what either role needs on a CPU: the plugin's Mooncake shim and no overlap scheduling
+    # (prefill: overlap scheduling records torch.cuda events when a cached prefix is sent early),
+    # the cpu_tensor retraction backup (decode: the default host_pool pins memory through CUDA),
+    # and a bootstrap port each (a prefill serves one)
+    common = ["--disaggregation-transfer-backend", "mooncake", "--dtype", "float32", "--enable-pd-role-switch",
+              "--disable-overlap-schedule", "--disaggregation-decode-retraction-backup", "cpu_tensor"]
     prefill = SGLangServer(tiny_model_path, plugins=["bigpd_router"], env=env, max_total_tokens=4096, extra_args=[
-        *common, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(free_port()),
-        # overlap scheduling records torch.cuda events when a cached prefix is sent early
-        "--disable-overlap-schedule"])
-    decode = SGLangServer(tiny_model_path, env=env, max_total_tokens=4096, extra_args=[
-        *common, "--disaggregation-mode", "decode",
-        # the default host_pool retraction backup pins host memory through CUDA
-        "--disaggregation-decode-retraction-backup", "cpu_tensor"])
+        *common, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(free_port())])
+    decode = SGLangServer(tiny_model_path, plugins=["bigpd_router"], env=env, max_total_tokens=4096, extra_args=[
+        *common, "--disaggregation-mode", "decode", "--disaggregation-bootstrap-port", str(free_port())])
     start_all([prefill, decode])
     try:
         yield [prefill, decode]
     finally:
         for s in (prefill, decode):
             s.stop()
+
+
+async def until(cond: Any, timeout_s: float) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.2)
+
+
+def role_and_health(router: Router, url: str) -> tuple[Role, Health] | None:
+    inst = router.registry.get(url)
+    return None if inst is None else (inst.role, inst.health)
 
 
 def hf_greedy(model_path: Path, prompt: list[int], n: int) -> list[int]:
@@ -193,11 +211,16 @@ def test_pd_mode_over_mooncake_tcp_matches_reference(pd_pair: list[SGLangServer]
     assert prefill.grep_log(r"hooks applied (\d+)/\1")  # the CPU shim for Mooncake attached
     prompt = [(i * 37) % 4000 + 10 for i in range(150)]
     want = hf_greedy(tiny_model_path, prompt, 8)
-    cfg = RouterConfig(health_interval_s=1.0, loads_interval_s=1.0, first_token_timeout_s=60)
+    # the controller only carries out drains and role switches here (scale_interval_s=0: no scaling
+    # decisions); its actuator is used for SGLang's /pd_role_switch only
+    cfg = RouterConfig(health_interval_s=1.0, loads_interval_s=1.0, first_token_timeout_s=60, scale_interval_s=0,
+                       scale_role_switch=True)
+    routers: list[Router] = []
 
     async def go() -> None:
-        async with running_router(cfg, [(prefill.base_url, None), (decode.base_url, None)]) as rurl, \
-                aiohttp.ClientSession() as s:
+        async with running_router(cfg, [(prefill.base_url, None), (decode.base_url, None)], routers,
+                                  LocalProcessActuator(str(tiny_model_path), role_switch=True),
+                                  (Role.PREFILL, Role.DECODE)) as rurl, aiohttp.ClientSession() as s:
             async with s.get(rurl + "/health") as r:
                 assert (await r.json())["mode"] == "pd"
             for attempt in range(2):  # the second one takes SGLang's cached-prefix early-send path
@@ -211,6 +234,25 @@ def test_pd_mode_over_mooncake_tcp_matches_reference(pd_pair: list[SGLangServer]
             events = [ln for ln in body.split(b"\n") if ln.startswith(b"data:")]
             assert st == 200 and events[-1] == b"data: [DONE]" and len(events) >= 6, body[-300:]
 
+            # swap the roles with SGLang's /pd_role_switch, driven by the controller (drain, flip,
+            # rejoin as STARTING, health check): the former decode server now prefills and ships
+            # its KV to the former prefill server, and greedy output still equals the reference
+            router, ctl = routers[0], routers[0].controller
+            assert ctl is not None
+            for url, target in ((decode.base_url, Role.PREFILL), (prefill.base_url, Role.DECODE)):
+                assert ctl.start_switch(url, target)
+                await until(lambda u=url, t=target: role_and_health(router, u) == (t, Health.HEALTHY), 120)
+            assert ctl.switching == {}
+            for attempt in range(2):
+                st, body, inst = await post(s, rurl + "/generate", {
+                    "input_ids": prompt, "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
+                assert st == 200, body
+                assert inst == prefill.base_url  # the old prefill server decodes now
+                assert json.loads(body)["output_ids"] == want
+            assert decode.grep_log(r"PD role switch succeeded: decode -> prefill")
+            assert prefill.grep_log(r"PD role switch succeeded: prefill -> decode")
+            new_prefill = decode
+
             # kill the prefill instance in the middle of a burst of streams: a stream whose KV had
             # crossed over finishes on the decode side, any other gets a clear error; none hangs
             async def stream(i: int) -> tuple[int, bytes]:
@@ -222,8 +264,8 @@ def test_pd_mode_over_mooncake_tcp_matches_reference(pd_pair: list[SGLangServer]
 
             tasks = [asyncio.create_task(stream(i)) for i in range(6)]
             await asyncio.sleep(0.5)
-            assert prefill.proc is not None
-            os.killpg(prefill.proc.pid, signal.SIGKILL)
+            assert new_prefill.proc is not None
+            os.killpg(new_prefill.proc.pid, signal.SIGKILL)
             results = await asyncio.wait_for(asyncio.gather(*tasks), 180)
             for status, body in results:
                 if status == 200:

@@ -48,6 +48,11 @@ class LocalProcessActuator:
     role_switch: bool = False
     """Start PD instances with --enable-pd-role-switch (and a bootstrap port each), so `switch` can
     flip an idle one between prefill and decode."""
+    decode_graph_memory_gb: float | None = 0.0
+    """Sent with a switch to decode (SGLang's decode_cuda_graph_memory_gb: the free device memory
+    required before it captures decode CUDA graphs; SGLang refuses a flip to decode of an instance
+    without captured graphs unless it is given). 0 checks nothing, which is right on CPU (no
+    graphs); on GPUs give a measured footprint. None: not sent."""
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     bootstrap_ports: dict[str, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -95,7 +100,10 @@ class LocalProcessActuator:
         """Flip an idle instance's PD role through SGLang's POST /pd_role_switch."""
         if not self.role_switch or old is Role.PLAIN or new is Role.PLAIN:
             return False
-        req = urllib.request.Request(url + "/pd_role_switch", data=json.dumps({"new_role": new.value}).encode(),
+        body: dict[str, object] = {"new_role": new.value}
+        if new is Role.DECODE and self.decode_graph_memory_gb is not None:
+            body["decode_cuda_graph_memory_gb"] = self.decode_graph_memory_gb
+        req = urllib.request.Request(url + "/pd_role_switch", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"}, method="POST")
         try:
             with urllib.request.urlopen(req, timeout=timeout_s) as r:

@@ -56,7 +56,8 @@ class ControlLoops:
             try:
                 info = await probe(session, inst.url)
                 inst.capacity_tokens = info["capacity_tokens"] or inst.capacity_tokens
-                inst.bootstrap_port = inst.bootstrap_port or info["bootstrap_port"]
+                if inst.role is Role.PREFILL:  # by the router's role: /server_info keeps the launch role
+                    inst.bootstrap_port = inst.bootstrap_port or info["bootstrap_port"]
                 if info.get("kv_events") and not inst.kv_events:
                     inst.kv_events = info["kv_events"]
                     self.r.kv_feed.subscribe(inst)
@@ -100,9 +101,17 @@ class ControlLoops:
             await asyncio.sleep(r.cfg.loads_interval_s)
 
     async def drain_loop(self) -> None:
-        """Without a controller: remove drained instances once their in-flight requests are done."""
+        """Without the scaling loop: remove drained instances once their in-flight requests are done
+        (through the controller when there is one, so a drain before a role switch ends in the switch)."""
         r = self.r
         while True:
+            if r.controller is not None:
+                try:
+                    await asyncio.to_thread(r.controller.finish_drains)
+                except Exception:  # a failing actuator must not kill the router
+                    log.exception("finishing drains failed")
+                await asyncio.sleep(0.2)
+                continue
             now = time.monotonic()
             for inst in list(r.registry):
                 if inst.health is Health.DRAINING and inst.drain_started is not None and (

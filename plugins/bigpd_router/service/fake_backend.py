@@ -37,7 +37,14 @@ class FakeBackend:
     record: bool = True
     kv_events: dict[str, Any] | None = None
     """What /server_info reports under `kv_events` (a publisher descriptor), if anything."""
+    pd_role_switch: bool = False
+    """Started with --enable-pd-role-switch: /server_info says so and, like SGLang 0.5.23, keeps
+    reporting the launch role after a switch."""
     _cache: set[str] = field(default_factory=set)
+    _launch_role: str = ""
+
+    def __post_init__(self) -> None:
+        self._launch_role = self.role
 
     def cached_chars(self, prompt: str) -> int:
         n = 0
@@ -65,7 +72,8 @@ class FakeBackend:
         return web.Response(status=200 if self.healthy else 503)
 
     async def server_info(self, request: web.Request) -> web.Response:
-        info = {"disaggregation_mode": self.role, "max_total_num_tokens": self.capacity_tokens,
+        info = {"disaggregation_mode": self._launch_role if self.pd_role_switch else self.role,
+                "enable_pd_role_switch": self.pd_role_switch, "max_total_num_tokens": self.capacity_tokens,
                 "disaggregation_bootstrap_port": self.bootstrap_port,
                 "disaggregation_transfer_backend": "fake", "version": "fake"}
         if self.kv_events is not None:
@@ -80,9 +88,13 @@ class FakeBackend:
 
     async def role_switch(self, request: web.Request) -> web.Response:
         """Like SGLang's: flips prefill<->decode, refused while requests run or for a plain server."""
-        new = (await request.json()).get("new_role")
+        body = await request.json()
+        new = body.get("new_role")
         if self.role not in ("prefill", "decode") or new not in ("prefill", "decode") or self.running:
             return web.json_response({"success": False, "message": "refused"}, status=400)
+        if new == "decode" and new != self.role and body.get("decode_cuda_graph_memory_gb") is None:
+            return web.json_response({"success": False, "message": "decode_cuda_graph_memory_gb is required "
+                                      "before capturing decode graphs"}, status=400)
         old, self.role = self.role, new
         return web.json_response({"success": True, "old_role": old, "new_role": new})
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from typing import Any, AsyncIterator
 
@@ -59,8 +60,12 @@ class Router:
         if actuator is not None and scaled_roles:
             policy = ScalePolicy(cfg.scale_up_load, cfg.scale_down_load, cfg.scale_up_sustain_s,
                                  cfg.scale_down_sustain_s, cfg.scale_cooldown_s, cfg.min_instances,
-                                 cfg.max_instances, cfg.drain_timeout_s, cfg.scale_urgent_load)
-            self.controller = ScalingController(self.registry, actuator, policy, self.pool_load, scaled_roles,
+                                 cfg.max_instances, cfg.drain_timeout_s, cfg.scale_urgent_load,
+                                 trend_lookahead_s=cfg.scale_trend_lookahead_s,
+                                 trend_window_s=cfg.scale_trend_window_s,
+                                 down_after_up_s=cfg.scale_down_after_up_s)
+            policies = {r: dataclasses.replace(policy, min_instances=cfg.pool_minimum(r.value)) for r in scaled_roles}
+            self.controller = ScalingController(self.registry, actuator, policies, self.pool_load, scaled_roles,
                                                 role_switch=cfg.scale_role_switch)
         self.registry.subscribe(self._on_registry_event)
         self.session: aiohttp.ClientSession | None = None
@@ -147,10 +152,16 @@ class Router:
             if role is None:
                 raise
         if role is not None and info and info["role"] is not role and info["role"] is not Role.PLAIN:
-            raise ValueError(f"{url} reports role {info['role'].value}, not {role.value}")
+            if not info.get("role_switch"):
+                raise ValueError(f"{url} reports role {info['role'].value}, not {role.value}")
+            # /server_info keeps the launch role after a /pd_role_switch: trust the caller
+            log.warning("instance %s reports role %s, taken as %s (role switching is on)", url,
+                        info["role"].value, role.value)
         assert role is not None or info
-        inst = Instance(url=url, role=role or info["role"], capacity_tokens=info.get("capacity_tokens", 0),
-                        bootstrap_port=bootstrap_port or info.get("bootstrap_port"), managed=managed,
+        role = role or info["role"]
+        inst = Instance(url=url, role=role, capacity_tokens=info.get("capacity_tokens", 0),
+                        bootstrap_port=bootstrap_port or (info.get("bootstrap_port") if role is Role.PREFILL else None),
+                        managed=managed,
                         kv_events=info.get("kv_events"), tokenizer_path=info.get("tokenizer_path"))
         if info:
             inst.health = Health.HEALTHY

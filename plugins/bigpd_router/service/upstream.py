@@ -41,9 +41,14 @@ async def probe(session: aiohttp.ClientSession, url: str, timeout_s: float = 5.0
     mode = info.get("disaggregation_mode") or "null"
     role = {"prefill": Role.PREFILL, "decode": Role.DECODE}.get(mode, Role.PLAIN)
     return {
+        # SGLang 0.5.23 reports the role the server was launched with: after a /pd_role_switch
+        # /server_info still says the old one, so the router keeps the role it switched to
         "role": role,
+        "role_switch": bool(info.get("enable_pd_role_switch")),
         "capacity_tokens": int(info.get("max_total_num_tokens") or 0),
-        "bootstrap_port": info.get("disaggregation_bootstrap_port") if role is Role.PREFILL else None,
+        # reported whatever the role: a decode instance started with --enable-pd-role-switch has a
+        # bootstrap server too, and needs it once it is switched to prefill
+        "bootstrap_port": info.get("disaggregation_bootstrap_port"),
         "transfer_backend": info.get("disaggregation_transfer_backend"),
         "kv_events": info.get("kv_events") if isinstance(info.get("kv_events"), dict) else None,
         "tokenizer_path": info.get("tokenizer_path") if isinstance(info.get("tokenizer_path"), str) else None,
