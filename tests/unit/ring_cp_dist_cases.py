@@ -125,9 +125,18 @@ def _sparse_case(rank: int, world: int, case: dict[str, Any]) -> None:
     plan = ShardPlan.build(seq_lens, world, "zigzag")
     ql, ll, il = plan.shard(q, rank), plan.shard(lat, rank).contiguous(), plan.shard(idx, rank)
     eo, el = plan.shard(ref_out, rank), plan.shard(ref_lse, rank)
-    for name, fn, kw in (("ring", ring_sparse_attention, {"chunks_per_shard": case.get("chunks", 1)}),
-                         ("allgather", allgather_sparse_attention, {})):
-        out, lse = fn(ql, ll, il, plan, rank, scale=scale, v_dim=dv, q_chunk=7, **kw)
+    kernel = case.get("kernel", "torch")
+    if kernel == "triton":
+        # The kernels run under Triton's interpreter on CPU (set before their module is imported).
+        os.environ["TRITON_INTERPRET"] = "1"
+    paths: list[tuple[str, Any, dict[str, Any]]] = [
+        ("ring", ring_sparse_attention, {"chunks_per_shard": case.get("chunks", 1)}),
+        ("allgather", allgather_sparse_attention, {}),
+    ]
+    if kernel == "triton":
+        paths.append(("allgather in key blocks", allgather_sparse_attention, {"key_blocks": 3}))
+    for name, fn, kw in paths:
+        out, lse = fn(ql, ll, il, plan, rank, scale=scale, v_dim=dv, q_chunk=7, kernel=kernel, **kw)
         err_o = (out.double() - eo).abs().max().item()
         err_l = (lse.double() - el).abs().max().item()
         if not (err_o <= case["tol"] and err_l <= case["tol"]):

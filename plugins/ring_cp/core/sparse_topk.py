@@ -83,9 +83,14 @@ def allgather_sparse_attention(
     q: torch.Tensor, latent: torch.Tensor, topk_idx: torch.Tensor, plan: ShardPlan, rank: int, *,
     group: Any | None = None, scale: float | None = None, v_dim: int | None = None,
     stats: GatherStats | None = None, q_chunk: int = 1024, kernel: str = "torch",
-    full_latent: torch.Tensor | None = None, kernel_config: int | None = None,
+    full_latent: torch.Tensor | None = None, kernel_config: int | None = None, key_blocks: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The all-gather baseline; `full_latent` skips the gather (compute-only timing)."""
+    """The all-gather baseline; `full_latent` skips the gather (compute-only timing).
+
+    `key_blocks` > 1 (triton) walks the full latent in that many position blocks, one launch
+    each, merged in place: the same cache locality the ring's per-chunk launches get, offered to
+    the baseline too, so a ring win cannot come from locality alone.
+    """
     scale = scale if scale is not None else default_scale(q.shape[-1])
     v_dim = v_dim or latent.shape[-1]
     if full_latent is None:
@@ -93,7 +98,21 @@ def allgather_sparse_attention(
     if kernel == "triton":
         from kllm_plugins.plugins.ring_cp.kernels.sparse_lse import sparse_latent_attention
 
-        out, lse = sparse_latent_attention(q, full_latent, topk_idx, scale=scale, v_dim=v_dim, config=kernel_config)
+        if key_blocks <= 1:
+            out, lse = sparse_latent_attention(q, full_latent, topk_idx, scale=scale, v_dim=v_dim,
+                                               config=kernel_config)
+        else:
+            from kllm_plugins.plugins.ring_cp.kernels.sparse_lse import bucket_topk
+
+            total = full_latent.shape[0]
+            ids = torch.arange(total, dtype=torch.int32, device=q.device)
+            size = -(-total // key_blocks)
+            rows, starts = bucket_topk(topk_idx, ids // size, ids, key_blocks)
+            out, lse = sparse_latent_attention(q, full_latent, rows, scale=scale, v_dim=v_dim, starts=starts,
+                                               group=0, config=kernel_config)
+            for g in range(1, key_blocks):
+                sparse_latent_attention(q, full_latent, rows, scale=scale, v_dim=v_dim, starts=starts, group=g,
+                                        acc_out=out, acc_lse=lse, config=kernel_config)
     else:
         out, lse = sparse_gather_attention(q, full_latent, topk_idx, scale, v_dim, q_chunk)
     return out.to(q.dtype), lse
