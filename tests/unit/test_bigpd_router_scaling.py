@@ -293,3 +293,22 @@ def test_local_actuator_sends_the_graph_headroom_on_a_switch_to_decode() -> None
             assert fb.role == "decode"
 
     asyncio.run(asyncio.wait_for(go(), 30))
+
+
+def test_instances_registered_at_start_up_are_not_mistaken_for_an_empty_pool() -> None:
+    """The scaling loop waits one period before deciding: instances given on the command line are
+    registered just after the loops start, and an empty pool would look below its minimum."""
+    fb = FakeBackend()
+    act = Actuator()
+    cfg = RouterConfig(health_interval_s=0.1, loads_interval_s=0, scale_interval_s=0.3, min_instances=1,
+                       max_instances=2)
+
+    async def go() -> None:
+        async with serve(fb.app()) as url:
+            router = Router(cfg, act, (Role.PLAIN,))
+            async with router.serving():
+                await router.add_instance(url)
+                await asyncio.sleep(1.0)  # a few decisions
+            assert act.added == []
+
+    asyncio.run(asyncio.wait_for(go(), 30))

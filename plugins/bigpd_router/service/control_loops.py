@@ -125,6 +125,9 @@ class ControlLoops:
         r = self.r
         assert r.controller is not None
         discover = getattr(r.actuator, "discover", None)
+        # one period before the first decision: instances given at start-up are registered after the
+        # loops start, and an empty pool would otherwise look "below minimum" and start servers
+        await asyncio.sleep(r.cfg.scale_interval_s)
         while True:
             try:
                 if callable(discover):  # e.g. Kubernetes: pods join once they are Ready
