@@ -14,6 +14,9 @@ class KvTiersConfig:
     """fsync every page before publishing it (durable across power loss; slower writes)."""
     min_reuse: int = 2
     """Sightings a page needs before it is written to L3 (1 = write everything through, as stock)."""
+    write_all_below_pressure: bool = True
+    """Write every page while the store is below `fill_high` and the writer below `busy_high` (as
+    stock); selective admission (`min_reuse` sightings) starts with the first kind of pressure."""
     fill_high: float = 0.9
     """Store fill fraction above which the reuse bar is raised (capacity pressure)."""
     busy_high: float = 0.5

@@ -22,6 +22,8 @@ def kllm_declare() -> PluginSpec:
             OptionSpec("store_capacity_gb", float, _D.store_capacity_gb, "L3 file store bound per rank (GiB)"),
             OptionSpec("fsync", parse_bool, _D.fsync, "fsync each L3 page before publishing it"),
             OptionSpec("min_reuse", int, _D.min_reuse, "sightings before a page is written to L3 (1 = all)"),
+            OptionSpec("write_all_below_pressure", parse_bool, _D.write_all_below_pressure,
+                       "write every page while the store has room and bandwidth; select only under pressure"),
             OptionSpec("fill_high", float, _D.fill_high, "store fill fraction that raises the reuse bar"),
             OptionSpec("busy_high", float, _D.busy_high, "writer busy fraction that raises the reuse bar"),
             OptionSpec("fetch_margin", float, _D.fetch_margin, "fetch only when this many times cheaper than recompute"),

@@ -75,7 +75,8 @@ class _Tiers:
         self.cfg = cfg
         self.instance_id = _instance_id(cfg)
         self.fetch: FetchOrRecompute | None = None  # built once the KV size per token is known
-        self.persistence = PersistencePolicy(cfg.min_reuse, cfg.fill_high, cfg.busy_high)
+        self.persistence = PersistencePolicy(cfg.min_reuse, cfg.fill_high, cfg.busy_high,
+                                             write_all_below_pressure=cfg.write_all_below_pressure)
         self.gate = PrefetchGate(cfg.prefetch_max_inflight_ops, cfg.prefetch_max_inflight_tokens)
         self.write_busy = BusyMeter()
         self.events: TierEventLog | None = None
@@ -250,6 +251,8 @@ class KllmFileStorage(HiCacheStorage):
         if self.store is None:
             return 0
         n = self.store.prefix_hits(keys)
+        logger.debug("kv_tiers lookup: %d of %d pages in L3 (continuation: %s)", n, len(keys),
+                     extends_cached_prefix(extra_info))
         if n < len(keys):
             self.t.persistence.note_lookup_miss(keys[n:])
             if n or extends_cached_prefix(extra_info):
@@ -287,12 +290,17 @@ class KllmFileStorage(HiCacheStorage):
         if self.store is None or values is None:
             return False
         fill = self.store.used_bytes / self.store.capacity_bytes
+        busy = self.t.write_busy.fraction()
         keys = list(keys)
-        if self.t.persistence.min_reuse > 1:
+        # offer markers only matter when a page needs more than one sighting
+        selective = self.t.persistence.threshold(fill, busy) > 1
+        if selective:
             fresh = [k for k in keys if not self.t.persistence.counter.count(k)]
             self.t.persistence.note_remote_sightings(fresh, self.store.note_offered(fresh))
-        adm = self.t.persistence.admit(keys, fill, self.t.write_busy.fraction())
+        adm = self.t.persistence.admit(keys, fill, busy)
         skipped = len(keys) - adm.admitted
+        logger.debug("kv_tiers write: %d of %d pages admitted (bar %d, fill %.2f)", adm.admitted, len(keys),
+                     adm.threshold, fill)
         if skipped:
             # Not an error: HiCache would log a failed write. The page simply stays out of L3.
             self.t.count("pages_skipped", skipped)
@@ -306,7 +314,7 @@ class KllmFileStorage(HiCacheStorage):
                 break
             self.t.count("pages_admitted")
             self.t._m_pages.labels("written").inc()
-            if self.t.persistence.min_reuse > 1:
+            if selective:
                 self.store.forget_offered(key)
         self._fault_metrics(before)
         return ok
@@ -359,11 +367,37 @@ def _inflight(cache: Any) -> tuple[int, int]:
     return len(ongoing), tokens
 
 
+def _full_prefix_keys(cache: Any, node: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+                      ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Pass the storage keys of the whole matched prefix as `prefix_keys`.
+
+    SGLang 0.5.23 passes the keys of the anchor node's ancestors only (`get_prefix_hash_values`
+    starts at the node's parent), so a lookup anchored on a node right under the root (a system
+    prompt, a conversation's first turn) reaches the backend with no prefix keys at all, and the
+    backend cannot tell a conversation's next turn from a one-off prompt. The anchor's own keys
+    complete the chain (a write's prefix keys are its node's ancestors, which is complete there).
+    """
+    given = args[1] if len(args) >= 2 else kwargs.get("prefix_keys")
+    if given is None:
+        return args, kwargs  # hicache_storage_pass_prefix_keys is off
+    try:
+        own = list(cache.tree_core.get_hash_values(node) or [])
+    except Exception:  # another tree core: leave SGLang's keys as they are
+        return args, kwargs
+    if not own or list(given[-len(own):]) == own:
+        return args, kwargs
+    full = list(given) + own
+    if len(args) >= 2:
+        return (args[0], full, *args[2:]), kwargs
+    return args, {**kwargs, "prefix_keys": full}
+
+
 def around_prefetch_from_storage(original: Callable[..., Any], self: Any, request: Any, last_host_node_id: Any,
                                  new_input_tokens: list[int], *args: Any, **kwargs: Any) -> Any:
     t = tiers()
     if t.fetch is None or not t.cfg.adaptive_thresholds:
         return original(self, request, last_host_node_id, new_input_tokens, *args, **kwargs)
+    args, kwargs = _full_prefix_keys(self, last_host_node_id, args, kwargs)
     min_tokens = t.fetch.min_fetch_tokens("l3")
     t.note_threshold("l3", min_tokens)
     page = int(getattr(self, "page_size", 1))

@@ -83,7 +83,8 @@ def test_file_store_shared_by_two_servers(tmp_path) -> None:
     try:
         with ExitStack() as stack:
             a, b = _servers(ARGS + l3_args("kllm_file"),
-                            {**ENV, "KLLM_KV_TIERS_STORE_DIR": str(store), "KLLM_KV_TIERS_MIN_REUSE": "2"},
+                            {**ENV, "KLLM_KV_TIERS_STORE_DIR": str(store), "KLLM_KV_TIERS_MIN_REUSE": "2",
+                             "KLLM_KV_TIERS_WRITE_ALL_BELOW_PRESSURE": "false"},
                             stack, events)
             out = a.generate(input_ids=PROMPT, max_new_tokens=6)
             assert out["output_ids"] == ref and out["meta_info"]["cached_tokens"] == 0

@@ -113,7 +113,10 @@ def make(master, monkeypatch):
                "master_server_address": f"127.0.0.1:{master['rpc']}",
                "metadata_server": f"http://127.0.0.1:{master['http']}/metadata", "protocol": "tcp",
                "device_name": "", "global_segment_size": 16 << 20, "local_hostname": "127.0.0.1",
-               "check_server": False, "reconnect_s": 0.5, **extra}
+               "check_server": False, "reconnect_s": 0.5,
+               # these tests pin down the selective rule itself (sightings, pressure), not the default
+               # of writing everything while the store has room
+               "write_all_below_pressure": False, **extra}
         b = KllmMooncakeStorage(_storage_config(cfg, model), {})
         pool = pool or _HostPool()
         b.register_mem_pool_host(pool)

@@ -41,7 +41,10 @@ def backend_factory(tmp_path, monkeypatch):
     def make(model: str = "tiny-llama", **extra: Any) -> Any:
         monkeypatch.setattr(sglang_adapter, "_tiers", None)  # fresh per-process state
         cfg = {"backend_name": "kllm_file", "module_path": sglang_adapter.__name__,
-               "class_name": "KllmFileStorage", "store_dir": str(tmp_path), **extra}
+               "class_name": "KllmFileStorage", "store_dir": str(tmp_path),
+               # most tests pin down the selective rule itself; the default (write everything while
+               # the store has room) has its own test
+               "write_all_below_pressure": False, **extra}
         b = sglang_adapter.KllmFileStorage(_config(model, cfg), {})
         b.register_mem_pool_host(_HostPool())
         return b
@@ -163,20 +166,67 @@ def test_publisher_registers_and_stamps_instance_id(backend_factory) -> None:
         pub.shutdown()
 
 
+class _TreeCore:
+    def __init__(self, own: dict[Any, list[str]]) -> None:
+        self.own = own
+
+    def get_hash_values(self, node: Any) -> list[str]:
+        return self.own.get(node, [])
+
+
 class _Cache:
     """The attributes of UnifiedRadixCache the prefetch and load-back hooks read and write."""
 
     page_size = 16
 
-    def __init__(self) -> None:
+    def __init__(self, own: dict[Any, list[str]] | None = None) -> None:
         self.ongoing_prefetch: dict[Any, Any] = {}
         self.prefetch_threshold = 256
         self.load_back_threshold = 10
         self.calls = 0
+        self.tree_core = _TreeCore(own or {})
+        self.seen_args: list[tuple[Any, ...]] = []
 
     def prefetch(self, request: Any, node: Any, tokens: list[int], *args: Any, **kwargs: Any) -> bool:
         self.calls += 1
+        self.seen_args.append(args)
         return True
+
+
+def test_prefetch_hook_completes_the_prefix_keys_with_the_anchor_node(backend_factory) -> None:
+    """SGLang passes the anchor's ancestors' keys only; a lookup anchored right under the root
+    would look like a request that reuses nothing. The hook adds the anchor's own keys."""
+    from kllm_plugins.plugins.kv_tiers import sglang_adapter as ad
+
+    backend_factory()
+    cache = _Cache({"sys": ["k1", "k2"], "turn": ["k3"]})
+    ad.around_prefetch_from_storage(_Cache.prefetch, cache, "r1", "sys", list(range(64)), "k2", [])
+    ad.around_prefetch_from_storage(_Cache.prefetch, cache, "r2", "turn", list(range(64)), "k3", ["k1", "k2"])
+    ad.around_prefetch_from_storage(_Cache.prefetch, cache, "r3", "turn", list(range(64)), "k3", None)
+    ad.around_prefetch_from_storage(_Cache.prefetch, cache, "r4", "root", list(range(64)), None, [])
+    assert [a[1] for a in cache.seen_args] == [["k1", "k2"], ["k1", "k2", "k3"], None, []]
+    # a lookup with the completed keys counts as a continuation: its missing pages are admitted
+    # at their first sighting under pressure
+    b = backend_factory(min_reuse=2)
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+
+    keys = _keys(2, "c")
+    assert b.batch_exists(keys, HiCacheStorageExtraInfo(prefix_keys=["k1", "k2"])) == 0
+    assert b.t.persistence.continuations.count(keys[0]) == 1
+
+
+def test_below_pressure_every_page_is_written_at_first_sighting(backend_factory) -> None:
+    """The plugin's default: a store with room takes every page (as stock write-through); the
+    same pages offered to a selective store are skipped at their first sighting."""
+    b = backend_factory(min_reuse=2, write_all_below_pressure=True)
+    keys, pages = _keys(3, "w"), _pages(3, 7)
+    assert b.batch_set(keys, pages)
+    assert b.batch_exists(keys) == 3 and b.t.counts["pages_admitted"] == 3
+    assert not os.path.exists(os.path.join(b.store.folder, ".seen")) or not os.listdir(
+        os.path.join(b.store.folder, ".seen"))  # no offer markers when nothing is selected
+    sel = backend_factory(min_reuse=2, write_all_below_pressure=False)
+    other = _keys(3, "v")
+    assert sel.batch_set(other, pages) and sel.batch_exists(other) == 0
 
 
 def test_prefetch_hook_sets_break_even_threshold_and_bounds_inflight(backend_factory) -> None:

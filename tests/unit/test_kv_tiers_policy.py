@@ -211,3 +211,19 @@ def test_continuations_are_admitted_at_first_sighting_and_bear_pressure() -> Non
     p.note_continuation(["c3"])
     assert p.admit(["c3"], 0.95, 0.0).admitted == 0  # a full store doubles the bar for continuations too
     assert p.admit(["c3"], 0.95, 0.0).admitted == 1
+
+
+def test_below_pressure_everything_is_written_and_selection_starts_with_pressure() -> None:
+    p = PersistencePolicy(min_reuse=2, fill_high=0.8, busy_high=0.5, pressure_factor=2,
+                          write_all_below_pressure=True)
+    assert [p.threshold(f, b) for f, b in ((0.1, 0.1), (0.9, 0.1), (0.1, 0.6), (0.9, 0.6))] == [1, 2, 2, 4]
+    assert p.admit(["a", "b"], fill=0.1, busy=0.0).admitted == 2  # room and bandwidth: first sighting
+    assert p.admit(["n1", "n2"], fill=0.9, busy=0.0).admitted == 0  # full: one-off pages wait
+    p.note_continuation(["c1"])
+    assert p.admit(["c1", "n3"], fill=0.9, busy=0.0).admitted == 1  # a conversation's pages do not
+    p.note_continuation(["c2"])
+    assert p.admit(["c2"], fill=0.9, busy=0.9).admitted == 0  # both pressures: continuations need 2
+    assert p.admit(["c2"], fill=0.9, busy=0.9).admitted == 1
+    # the selective rule alone (the flag off) keeps its bar without pressure
+    q = PersistencePolicy(min_reuse=2, write_all_below_pressure=False)
+    assert q.threshold(0.0, 0.0) == 2 and q.admit(["a"], 0.0, 0.0).admitted == 0
