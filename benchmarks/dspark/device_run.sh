@@ -1,53 +1,53 @@
 #!/usr/bin/env bash
-# Benchmark driver for the GPU machine (no SGLang, no internet, 64 MiB per transfer).
-# The target's packed weights travel in two calls that must land on the same (warm) machine:
-#   call 1: bash benchmarks/dspark/device_run.sh probe   (carries .dspark_carry/part0.pt)
-#   call 2: bash benchmarks/dspark/device_run.sh full    (carries .dspark_carry/part1.pt + prompts)
+# Driver for the GPU machine (no SGLang, no internet, 64 MiB per transfer). Three chained calls
+# that must land on the same warm machine (issue each within seconds of the last):
+#   1. bash benchmarks/dspark/device_run.sh stage   carry .dspark_carry/part0.pt, config.json
+#   2. bash benchmarks/dspark/device_run.sh full    carry .dspark_carry/part1.pt, config.json, prompts.pt:
+#                                                   starts device_pipeline.sh detached, follows it
+#   3. bash benchmarks/dspark/device_run.sh follow  (no carry) follows it to the end
+# Every call returns what exists so far under $OUT (a cut call loses no figure).
 # Prepare .dspark_carry with: python benchmarks/dspark/target_pack.py .dspark_carry (and the
 # prompts file written by kllm_plugins.plugins.dspark.train.prompts_from_sharegpt).
 set -u
 PHASE=$1
+LIMIT=${LIMIT:-565}
 W=/tmp/dsp
-B="python3 benchmarks/dspark/bench_drafters.py"
-NAMES="dspark dspark_gated dspark_rnn dflash eagle"
-mkdir -p /tmp/shim $W/logs
-rm -rf /tmp/shim/kllm_plugins
-cp -r kllm_plugins /tmp/shim/ && cp -r plugins /tmp/shim/kllm_plugins/plugins && cp -r hardware /tmp/shim/kllm_plugins/hardware
-export PYTHONPATH=/tmp/shim PYTHONUNBUFFERED=1
-for f in .dspark_carry/*; do cp "$f" $W/; done
-nvidia-smi -L
-if [ "$PHASE" = probe ]; then
-  for n in $NAMES; do $B probe --work $W --name $n --steps 25 > $W/logs/probe_$n.log 2>&1 & done
-  wait
-  grep -h PROBE $W/logs/probe_*.log
-  grep -h -A3 Traceback $W/logs/probe_*.log | head -40
-  # dry run of every phase on the GPU (layers not carried yet are random), tiny sizes
-  D=/tmp/dspdry; mkdir -p $D; cp $W/part0.pt $W/config.json $W/prompts.pt $D/
-  R="--work $D --random-missing"
-  $B gen $R --prompts $D/prompts.pt --max-prompts 48 --test-prompts 16 --max-answer 24 > $W/logs/dry.log 2>&1
-  for n in dspark dflash eagle; do $B train $R --name $n --steps 4 >> $W/logs/dry_$n.log 2>&1 & done; wait
-  mkdir -p $D/out
-  $B eval $R --out $D/out --names dspark dflash eagle --test-prompts 16 --bs1-prompts 2 --sample-prompts 16 --max-new 16 --cost-batches 1 4 >> $W/logs/dry.log 2>&1
-  grep -h "GEN\|TRAIN\|EVAL" $W/logs/dry*.log | cut -c1-300
-  grep -h -B2 -A12 Traceback $W/logs/dry*.log | head -60
-  ls $D/out
-  exit 0
-fi
-test -f $W/part0.pt && test -f $W/part1.pt || { echo "part0 missing: a fresh machine"; exit 3; }
-$B gen --work $W --prompts $W/prompts.pt --max-prompts ${MAX_PROMPTS:-6000} > $W/logs/gen.log 2>&1
-grep -h GEN $W/logs/gen.log || { tail -30 $W/logs/gen.log; exit 4; }
-STEPS=$(python3 -c "
-import json,glob
-t=max(json.load(open(f))['step_s'] for f in glob.glob('$W/probe_*.json'))
-print(max(50, int(${TRAIN_BUDGET_S:-200}/t)))")
-echo "train steps for every drafter: $STEPS"
-for n in $NAMES; do $B train --work $W --name $n --steps $STEPS --time-limit ${TIME_LIMIT_S:-300} > $W/logs/train_$n.log 2>&1 & done
-wait
-grep -h TRAIN $W/logs/train_*.log
-grep -h -A5 Traceback $W/logs/train_*.log | head -40
-$B eval --work $W --out $OUT --bs1-prompts ${BS1_PROMPTS:-8} --sample-prompts ${SAMPLE_PROMPTS:-32} > $W/logs/eval.log 2>&1
-grep -h EVAL $W/logs/eval.log | cut -c1-600
-grep -h -A8 Traceback $W/logs/eval.log | head -40
-tar cf $OUT/ckpt_meta.tar -C $W $(cd $W && ls -d ckpt_*/kllm_drafter.json ckpt_*/config.json ckpt_*/dspark_sts.json 2>/dev/null)
-cat $W/logs/*.log | grep -v Warning > $OUT/logs.txt
-ls -la $OUT
+T0=$(date +%s)
+mkdir -p $W/logs $W/out
+collect() {
+  grep -h "GEN\|TRAIN \|ACCEPT\|TIMING\|FP32\|MERGE" $W/logs/*.log 2>/dev/null | cut -c1-700
+  grep -h -B2 -A10 Traceback $W/logs/*.log 2>/dev/null | head -60
+  cat $W/stage 2>/dev/null
+  nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv,noheader
+  cp $W/out/dspark_records.pt $OUT/ 2>/dev/null
+  (cd $W/out && tar cf $OUT/results.tar *.json 2>/dev/null)
+  (cd $W && tar cf $OUT/ckpt_meta.tar $(ls -d ckpt_*/kllm_drafter.json ckpt_*/config.json ckpt_*/dspark_sts.json 2>/dev/null) 2>/dev/null)
+  (cd $W/logs && tar cf $OUT/logs.tar *.log 2>/dev/null)
+  ls -la $OUT
+}
+follow() {
+  while ! grep -q "^done" $W/stage 2>/dev/null; do
+    [ $(( $(date +%s) - T0 )) -ge $LIMIT ] && break
+    sleep 5
+  done
+  collect
+}
+case $PHASE in
+  stage)
+    cp .dspark_carry/part0.pt .dspark_carry/config.json $W/
+    nvidia-smi -L; python3 -c "import torch; print(torch.__version__, torch.cuda.device_count())"; df -h /tmp | tail -1
+    ;;
+  full)
+    test -f $W/part0.pt || { echo "part0 missing: a fresh machine"; exit 3; }
+    cp .dspark_carry/part1.pt .dspark_carry/prompts.pt .dspark_carry/config.json $W/
+    rm -rf /tmp/shim $W/code && mkdir -p /tmp/shim $W/code
+    cp -r kllm_plugins /tmp/shim/ && cp -r plugins /tmp/shim/kllm_plugins/plugins && cp -r hardware /tmp/shim/kllm_plugins/hardware
+    cp benchmarks/dspark/*.py benchmarks/dspark/device_pipeline.sh $W/code/
+    PYTHONPATH=/tmp/shim setsid bash $W/code/device_pipeline.sh > $W/logs/pipeline.log 2>&1 < /dev/null &
+    sleep 2
+    follow
+    ;;
+  follow)
+    follow
+    ;;
+esac

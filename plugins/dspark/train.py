@@ -22,7 +22,7 @@ from typing import Any, Sequence
 import torch
 
 from kllm_plugins.plugins.dspark.core.calibration import calibrated, ece, fit_position_temperatures
-from kllm_plugins.plugins.dspark.core.drafters import DrafterConfig, build_drafter, parameter_count
+from kllm_plugins.plugins.dspark.core.drafters import DrafterConfig, SharedTarget, build_drafter, parameter_count
 from kllm_plugins.plugins.dspark.core.target_llama import LlamaShape, LlamaTarget, default_target_layers
 from kllm_plugins.plugins.dspark.training.data import TokenizedPrompts, generate_answers, split_prompts, tokenize_prompts
 from kllm_plugins.plugins.dspark.training.export import write_checkpoint
@@ -94,6 +94,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--kind", choices=("dspark", "dflash", "eagle"), default="dspark")
     ap.add_argument("--markov-head-type", choices=("vanilla", "gated", "rnn"), default="vanilla")
     ap.add_argument("--markov-rank", type=int, default=64)
+    ap.add_argument("--markov-tied", action="store_true",
+                    help="train the Markov head factorised through the target's embedding/lm_head (exported untied)")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--intermediate-size", type=int, default=0)
     ap.add_argument("--block-size", type=int, default=7)
@@ -130,6 +132,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = drafter_config(args.kind, shape, layers=args.layers, block_size=args.block_size, target_layers=layers,
                          mask_token_id=mask_id, markov_rank=args.markov_rank, markov_head_type=args.markov_head_type,
                          intermediate_size=args.intermediate_size or None)
+    if args.markov_tied and args.kind == "dspark":
+        from dataclasses import replace
+
+        cfg = replace(cfg, markov_tied=True)
     model = build_drafter(cfg).to(args.device)
     logger.info("drafter %s: %d trainable parameters", args.kind, parameter_count(model))
     history = train_drafter(target, model, train_seqs, TrainConfig(steps=args.steps, batch_size=args.batch_size,
@@ -139,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logger.info("ECE pooled before %.4f after %.4f", cal["ece_before_pooled"], cal["ece_after_pooled"])
     write_checkpoint(model, args.out, num_target_layers=shape.num_layers, temperatures=cal["temperatures"],
                      ece_before=cal["ece_before"], ece_after=cal["ece_after"], sts_dataset=prompts.source,
-                     sts_samples=cal["calib_samples"],
+                     sts_samples=cal["calib_samples"], shared=SharedTarget(target.embed, target.lm_head),
                      extra={"parameters": parameter_count(model), "history": history, "calibration": cal})
     logger.info("checkpoint written to %s", args.out)
     return 0

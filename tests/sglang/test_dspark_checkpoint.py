@@ -1,7 +1,8 @@
 """Drafters trained a few steps on the tiny Llama load into SGLang 0.5.23's real DSPARK draft
 model class on CPU: every weight, no missing or unexpected key, and the Markov/confidence heads
 compute what ours compute. One checkpoint comes from the training command end to end (ShareGPT
-replaced by fixed random prompts so the test needs no corpus), two from the training API."""
+replaced by fixed random prompts so the test needs no corpus), three from the training API (one
+trained with the tied Markov head, exported materialised)."""
 from __future__ import annotations
 
 import json
@@ -28,8 +29,10 @@ def _prompts(path: Path, vocab: int) -> Path:
     return path
 
 
-def _train_api(head: str, out: Path, target_path: Path) -> Path:
-    from kllm_plugins.plugins.dspark.core.drafters import build_drafter
+def _train_api(head: str, out: Path, target_path: Path, tied: bool = False) -> Path:
+    from dataclasses import replace
+
+    from kllm_plugins.plugins.dspark.core.drafters import SharedTarget, build_drafter
     from kllm_plugins.plugins.dspark.train import drafter_config, load_hf_target
     from kllm_plugins.plugins.dspark.training.export import write_checkpoint
     from kllm_plugins.plugins.dspark.training.trainer import TrainConfig, train_drafter
@@ -37,11 +40,13 @@ def _train_api(head: str, out: Path, target_path: Path) -> Path:
     target, _ = load_hf_target(target_path, "cpu", torch.float32)
     g = torch.Generator().manual_seed(1)
     seqs = [(torch.randint(3, 4096, (24,), generator=g).tolist(), 6) for _ in range(8)]
-    model = build_drafter(drafter_config("dspark", target.shape, layers=1, block_size=4, target_layers=[0, 3],
-                                         mask_token_id=2, markov_rank=8, markov_head_type=head))
+    cfg = drafter_config("dspark", target.shape, layers=1, block_size=4, target_layers=[0, 3], mask_token_id=2,
+                         markov_rank=8, markov_head_type=head)
+    model = build_drafter(replace(cfg, markov_tied=tied))
     hist = train_drafter(target, model, seqs, TrainConfig(steps=2, batch_size=4, anchors_per_seq=4, log_every=1))
     assert len(hist) == 2
-    return write_checkpoint(model, out, num_target_layers=target.shape.num_layers, temperatures=[1.0, 1.5, 2.0, 2.5])
+    return write_checkpoint(model, out, num_target_layers=target.shape.num_layers, temperatures=[1.0, 1.5, 2.0, 2.5],
+                            shared=SharedTarget(target.embed, target.lm_head))
 
 
 def test_trained_checkpoints_load_into_sglang_dspark_draft_model(tmp_path: Path, tiny_model_path: Path) -> None:
@@ -58,19 +63,21 @@ def test_trained_checkpoints_load_into_sglang_dspark_draft_model(tmp_path: Path,
     meta = json.loads((cli_out / "kllm_drafter.json").read_text())
     assert len(meta["history"]) >= 2 and meta["calibration"]["test_samples"] > 0
     folders = {"rnn": cli_out, "gated": _train_api("gated", tmp_path / "draft-gated", tiny_model_path),
-               "vanilla": _train_api("vanilla", tmp_path / "draft-vanilla", tiny_model_path)}
+               "vanilla": _train_api("vanilla", tmp_path / "draft-vanilla", tiny_model_path),
+               # trained with the tied (factorised) Markov head, exported as the equivalent untied head
+               "gated_tied": _train_api("gated", tmp_path / "draft-gated-tied", tiny_model_path, tied=True)}
 
     env = {**os.environ, "SGLANG_PLATFORM": "kllm_cpu"}
     env.pop("SGLANG_USE_CPU_ENGINE", None)
     proc = subprocess.run([sys.executable, str(CHECK), str(tiny_model_path), *map(str, folders.values())],
                           capture_output=True, text=True, timeout=300, env=env)
     results = {json.loads(ln[7:])["folder"]: json.loads(ln[7:]) for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")}
-    assert proc.returncode == 0 and len(results) == 3, proc.stderr[-3000:]
+    assert proc.returncode == 0 and len(results) == len(folders), proc.stderr[-3000:]
     expect = {"vanilla": "VanillaMarkov", "gated": "GatedMarkovHead", "rnn": "RNNHead"}
     for head, folder in folders.items():
         res = results[str(folder)]
         assert res["arch"] == "DSparkDraftModel" and res["class"] == "DSparkDraftModel"
-        assert res["markov_head"] == expect[head]
+        assert res["markov_head"] == expect[head.split("_")[0]]
         assert res["missing"] == [] and res["unexpected"] == [], res
         assert res["keys"] >= res["params"] > 0
         assert res["sts_temperatures"] == 4 and res["gamma"] == 4

@@ -62,3 +62,34 @@ def fit_position_temperatures(logits: torch.Tensor, outcome: torch.Tensor, valid
 def calibrated(logits: torch.Tensor, temperatures: list[float]) -> torch.Tensor:
     t = torch.tensor(temperatures, dtype=torch.float64, device=logits.device)
     return torch.sigmoid(logits.double() / t)
+
+
+def fit_platt(logits: torch.Tensor, outcome: torch.Tensor, iters: int = 50) -> tuple[float, float]:
+    """(T, b) minimising NLL of sigmoid(logits / T + b): temperature plus a bias (Platt scaling).
+
+    Temperature alone keeps sigmoid(0) = 0.5 and can only sharpen or flatten; when the head is
+    biased (e.g. trained on teacher-forced steps and read on the loop's steps) a bias is needed.
+    Newton steps on (1/T, b) in float64, started from the temperature-only fit.
+    """
+    x, y = logits.flatten().double(), outcome.flatten().double()
+    if x.numel() == 0:
+        return 1.0, 0.0
+    a, b = 1.0 / fit_temperature(x, y), 0.0
+    for _ in range(iters):
+        p = torch.sigmoid(a * x + b)
+        g = torch.stack([((p - y) * x).sum(), (p - y).sum()])
+        w = p * (1 - p)
+        h = torch.stack([torch.stack([(w * x * x).sum(), (w * x).sum()]), torch.stack([(w * x).sum(), w.sum()])])
+        h = h + torch.eye(2, dtype=h.dtype) * 1e-9 * float(x.numel())
+        step = torch.linalg.solve(h, g)
+        a, b = a - float(step[0]), b - float(step[1])
+        if float(step.abs().max()) < 1e-10:
+            break
+    a = max(a, 1e-3)  # a non-positive slope would invert the ranking: keep the head's order
+    return 1.0 / a, b
+
+
+def calibrated_platt(logits: torch.Tensor, temperatures: list[float], biases: list[float]) -> torch.Tensor:
+    t = torch.tensor(temperatures, dtype=torch.float64, device=logits.device)
+    b = torch.tensor(biases, dtype=torch.float64, device=logits.device)
+    return torch.sigmoid(logits.double() / t + b)

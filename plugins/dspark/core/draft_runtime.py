@@ -72,21 +72,20 @@ class BlockDraftRunner:
         mask = torch.cat([ctx_mask.expand(b, g, s), torch.ones(b, g, g, dtype=torch.bool, device=dev)], dim=-1)
         embeds = self.shared.embed_tokens(ids, self.ck[0].dtype)
         hidden = d.block_hidden(embeds, pos, list(zip(self.ck, self.cv)), mask)
-        base = self.shared.logits(hidden)
         if d.markov_head is None:
-            tokens, probs = choose(base, temperature, generator)
+            tokens, probs = choose(self.shared.logits(hidden), temperature, generator)
             return DraftOut(tokens, probs, d.confidence_head(hidden))
         prev, state = bonus, None
         toks, prob_steps, prevs = [], [], []
         for k in range(g):
             prevs.append(prev)
-            bias, state = d.markov_head.step_bias(prev, hidden[:, k], state)
-            tok, pk = choose(base[:, k] + bias.float(), temperature, generator)
+            logits_k, state = d.markov_step(self.shared, prev, hidden[:, k], state)
+            tok, pk = choose(logits_k, temperature, generator)
             toks.append(tok)
             prob_steps.append(pk)
             prev = tok
         prev_stack = torch.stack(prevs, dim=1)
-        conf = d.confidence_head(hidden, d.markov_head.prev_embed(prev_stack))
+        conf = d.confidence_head(hidden, d.markov_prev_embed(self.shared, prev_stack))
         probs = None if temperature <= 0 else torch.stack(prob_steps, dim=1)  # type: ignore[arg-type]
         return DraftOut(torch.stack(toks, dim=1), probs, conf)
 

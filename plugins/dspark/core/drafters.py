@@ -28,7 +28,8 @@ import torch
 from torch import nn
 
 from kllm_plugins.plugins.dspark.core.draft_layers import DraftLayer, RMSNorm, gqa_attention
-from kllm_plugins.plugins.dspark.core.markov_heads import MARKOV_HEAD_TYPES, ConfidenceHead, build_markov_head
+from kllm_plugins.plugins.dspark.core.markov_heads import (MARKOV_HEAD_TYPES, ConfidenceHead, TiedMarkovHead,
+                                                           build_markov_head)
 
 DRAFTER_KINDS = ("dspark", "dflash", "eagle")
 
@@ -51,6 +52,7 @@ class DrafterConfig:
     markov_rank: int = 0
     markov_head_type: str = "vanilla"
     max_position_embeddings: int = 8192
+    markov_tied: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -111,8 +113,10 @@ class BlockDrafter(nn.Module):
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.fc = nn.Linear(len(cfg.target_layer_ids) * h, h, bias=False)
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.markov_head = (build_markov_head(cfg.markov_head_type, cfg.vocab_size, cfg.markov_rank, h)
-                            if cfg.kind == "dspark" else None)
+        self.markov_head: nn.Module | None = None
+        if cfg.kind == "dspark":
+            self.markov_head = (TiedMarkovHead(cfg.markov_head_type, cfg.markov_rank, h) if cfg.markov_tied
+                                else build_markov_head(cfg.markov_head_type, cfg.vocab_size, cfg.markov_rank, h))
         self.confidence_head = ConfidenceHead(h, cfg.markov_rank if cfg.kind == "dspark" else 0)
         self._init_weights()
 
@@ -176,24 +180,36 @@ class BlockDrafter(nn.Module):
         label_idx = (anchors.unsqueeze(-1) + offs + 1)
         labels = tokens.gather(1, label_idx.reshape(b, n * g)).view(b, n, g)
         prev = torch.cat([anchor_tok.unsqueeze(-1), labels[..., :-1]], dim=-1)
-        logits = shared.logits(hidden)
         prev_embed = None
-        if self.markov_head is not None:
-            logits = logits + self.markov_bias(prev, hidden).float()
-            prev_embed = self.markov_head.prev_embed(prev)
+        if self.markov_head is None:
+            logits = shared.logits(hidden)
+        else:
+            state = None
+            steps = []
+            for k in range(g):  # teacher-forced: step k sees the target's token at step k-1
+                lk, state = self.markov_step(shared, prev[..., k], hidden[..., k, :], state)
+                steps.append(lk)
+            logits = torch.stack(steps, dim=-2)
+            prev_embed = self.markov_prev_embed(shared, prev)
         conf = self.confidence_head(hidden.detach(), None if prev_embed is None else prev_embed.detach())
         return {"logits": logits, "labels": labels, "confidence": conf}
 
-    def markov_bias(self, prev: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """Teacher-forced Markov bias for all steps: prev/hidden [..., gamma(, H)]."""
+    def markov_prev_embed(self, shared: SharedTarget, tokens: torch.Tensor) -> torch.Tensor:
+        """W1[x] (what the confidence head reads beside h)."""
         head = self.markov_head
         assert head is not None
-        state = None
-        out = []
-        for k in range(prev.shape[-1]):
-            bias, state = head.step_bias(prev[..., k], hidden[..., k, :], state)
-            out.append(bias)
-        return torch.stack(out, dim=-2)
+        return head.prev_embed(tokens, shared.embed) if isinstance(head, TiedMarkovHead) else head.prev_embed(tokens)
+
+    def markov_step(self, shared: SharedTarget, prev: torch.Tensor, hidden: torch.Tensor,
+                    state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Step logits (base + Markov bias from the previous token) and the head's new state."""
+        head = self.markov_head
+        assert head is not None
+        if isinstance(head, TiedMarkovHead):
+            shift, state = head.step_shift(prev, hidden, state, shared.embed)
+            return shared.logits(hidden + shift.to(hidden.dtype)), state
+        bias, state = head.step_bias(prev, hidden, state)
+        return shared.logits(hidden) + bias.float(), state
 
 
 class EagleDrafter(nn.Module):

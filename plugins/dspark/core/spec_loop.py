@@ -130,11 +130,10 @@ def speculative_generate(target: LlamaTarget, make_runner: Callable[[int, int], 
     runner = make_runner(b, max_len)
     outputs: list[list[int]] = [[] for _ in range(b)]
     done = torch.zeros(b, dtype=torch.bool)
-    rows = torch.arange(b, device=dev)
     _sync(dev)
     t0 = time.perf_counter()
-    logits, feats = target.forward(toks, cache, capture_layers=capture_layers)
-    last = logits[rows, plens - 1]
+    logits, feats = target.forward(toks, cache, capture_layers=capture_layers, logits_index=plens - 1)
+    last = logits[:, 0]
     bonus = last.argmax(-1) if temperature <= 0 else _sample(torch.softmax(last / temperature, -1), generator)
     runner.observe(feats, cache.lens.clone(), plens, toks, bonus)  # type: ignore[attr-defined]
     cache.advance(plens)
@@ -184,13 +183,12 @@ def autoregressive_generate(target: LlamaTarget, prompts: Sequence[Sequence[int]
     b = len(prompts)
     toks, plens = _pad(prompts, 0, dev)
     cache = target.new_cache(b, int(plens.max()) + max_new_tokens + 2)
-    rows = torch.arange(b, device=dev)
     outputs: list[list[int]] = [[] for _ in range(b)]
     done = [False] * b
     _sync(dev)
     t0 = time.perf_counter()
-    logits, _ = target.forward(toks, cache)
-    last = logits[rows, plens - 1]
+    logits, _ = target.forward(toks, cache, logits_index=plens - 1)
+    last = logits[:, 0]
     cache.advance(plens)
     steps = 0
     while True:

@@ -156,9 +156,12 @@ class LlamaTarget:
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, cache: RaggedKVCache, *, capture_layers: Sequence[int] = (),
-                want_logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                want_logits: bool = True, logits_index: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Run T new tokens per row at positions cache.lens..; returns (logits [B,T,V] fp32, features).
 
+        `logits_index` ([B] offsets into the T new tokens) computes the logits of one token per row
+        only ([B,1,V]): a large prefill batch then never materialises [B,T,V].
         Features: the captured layers' outputs concatenated on the last dim, [B, T, K*hidden].
         The cache's `lens` is not advanced (see `RaggedKVCache.advance`).
         """
@@ -188,6 +191,8 @@ class LlamaTarget:
         feats = torch.cat([captured[list(capture_layers).index(i)] for i in capture_layers], dim=-1) if capture_layers else None
         if not want_logits:
             return None, feats
+        if logits_index is not None:
+            x = x[torch.arange(bsz, device=self.device), logits_index.to(self.device)].unsqueeze(1)
         logits = (rms_norm(x, self.final_norm, s.rms_norm_eps) @ self.lm_head.T).float()
         return logits, feats
 

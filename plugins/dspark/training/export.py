@@ -7,6 +7,8 @@ Files: `config.json` (architecture `DSparkDraftModel`, Qwen3-style draft keys pl
 stacks; no `embed_tokens`/`lm_head`, which are the target's), `dspark_sts.json` (per-position
 temperatures for `--speculative-dspark-confidence-sts-path`) and `kllm_drafter.json` (our
 own config, to rebuild the module for the reference loop).
+A drafter trained with a tied Markov head (`markov_tied`) is exported as the equivalent untied
+head (`TiedMarkovHead.materialize`), so both files describe an ordinary DSPARK draft model.
 """
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from kllm_plugins.plugins.dspark.core.drafters import BlockDrafter, DrafterConfig, build_drafter
+from kllm_plugins.plugins.dspark.core.drafters import BlockDrafter, DrafterConfig, SharedTarget, build_drafter
+from kllm_plugins.plugins.dspark.core.markov_heads import TiedMarkovHead
 
 ARCHITECTURE = "DSparkDraftModel"
 
@@ -54,10 +57,23 @@ def sglang_config(cfg: DrafterConfig, num_target_layers: int, dtype: str = "bflo
     }
 
 
-def export_state_dict(model: BlockDrafter, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+def untied_state(model: nn.Module, shared: SharedTarget | None) -> dict[str, torch.Tensor]:
+    """The module's state with a tied Markov head replaced by its materialised untied weights."""
+    state = dict(model.state_dict())
+    head = getattr(model, "markov_head", None)
+    if isinstance(head, TiedMarkovHead):
+        if shared is None:
+            raise ValueError("exporting a tied Markov head needs the target's embedding and lm_head (shared=)")
+        state = {k: v for k, v in state.items() if not k.startswith("markov_head.")}
+        state.update({f"markov_head.{k}": v for k, v in head.materialize(shared.embed, shared.lm_head).items()})
+    return state
+
+
+def export_state_dict(model: BlockDrafter, dtype: torch.dtype = torch.bfloat16,
+                      shared: SharedTarget | None = None) -> dict[str, torch.Tensor]:
     """Module state with SGLang's names; the confidence head stays float32 (SGLang computes it in fp32)."""
     out: dict[str, torch.Tensor] = {}
-    for name, t in model.state_dict().items():
+    for name, t in untied_state(model, shared).items():
         keep32 = name.startswith("confidence_head.")
         out[name] = t.detach().to("cpu", torch.float32 if keep32 else dtype).contiguous()
     return out
@@ -66,16 +82,21 @@ def export_state_dict(model: BlockDrafter, dtype: torch.dtype = torch.bfloat16) 
 def write_checkpoint(model: nn.Module, folder: Path, *, num_target_layers: int, temperatures: list[float] | None = None,
                      ece_before: list[float] | None = None, ece_after: list[float] | None = None,
                      sts_dataset: str = "", sts_samples: int = 0,
-                     dtype: torch.dtype = torch.bfloat16, extra: dict[str, Any] | None = None) -> Path:
+                     dtype: torch.dtype = torch.bfloat16, extra: dict[str, Any] | None = None,
+                     shared: SharedTarget | None = None) -> Path:
+    from dataclasses import replace
+
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
     cfg: DrafterConfig = model.cfg  # type: ignore[assignment]
-    (folder / "kllm_drafter.json").write_text(json.dumps({"config": cfg.to_dict(), **(extra or {})}, indent=1))
+    saved = replace(cfg, markov_tied=False)
+    extra = {**(extra or {}), "trained_with_tied_markov_head": cfg.markov_tied}
+    (folder / "kllm_drafter.json").write_text(json.dumps({"config": saved.to_dict(), **extra}, indent=1))
     if cfg.kind == "dspark":
         assert isinstance(model, BlockDrafter)
         (folder / "config.json").write_text(json.dumps(sglang_config(cfg, num_target_layers), indent=1))
-        save_file(export_state_dict(model, dtype), str(folder / "model.safetensors"), metadata={"format": "pt"})
+        save_file(export_state_dict(model, dtype, shared), str(folder / "model.safetensors"), metadata={"format": "pt"})
     else:
         save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))
     if temperatures is not None:

@@ -1,12 +1,17 @@
 """Layer: plugin tooling (no SGLang import). Training loop shared by the three drafters.
 
-Each step draws sequences (prompt + the target's answer), runs the frozen target over them for
-the features at `target_layer_ids`, and trains the drafter on the answer part:
+Each step draws sequences (prompt + the target's answer) with the frozen target's features at
+`target_layer_ids` (computed once for all sequences: `FeatureCache`), and trains the drafter on
+the answer part:
 - block drafters (dspark, dflash): `anchors_per_seq` random anchors per sequence; loss =
   sum_k w_k CE(step k logits, target token), w_k = exp(-k / decay) (position decay as in
   DFlash/DeepSpec); DSpark's steps are teacher-forced through the Markov head;
 - eagle: the same CE over every answer position and unrolled step (training-time test).
-Confidence heads learn BCE against "the draft equals the target token" on detached features.
+Confidence heads learn BCE against "the draft equals the target token" on detached features, on
+the steps a verifier would reach (every earlier step of the block/chain right): that is what the
+confidence means in the loop, P(step k accepted | steps < k accepted).
+The learning rate follows warmup + cosine over progress = max(step / steps, elapsed / time limit),
+so a run cut by its time limit still ends annealed. AdamW is fused on CUDA.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from torch import nn
 from kllm_plugins.plugins.dspark.core.drafters import BlockDrafter, EagleDrafter, SharedTarget
 from kllm_plugins.plugins.dspark.core.target_llama import LlamaTarget
 from kllm_plugins.plugins.dspark.training.data import pad_batch
+from kllm_plugins.plugins.dspark.training.feature_cache import FeatureCache
 
 logger = logging.getLogger("kllm.dspark")
 
@@ -61,18 +67,39 @@ def sample_anchors(plen: torch.Tensor, lens: torch.Tensor, gamma: int, n: int, g
     return (lo.unsqueeze(1) + u * (hi - lo + 1).unsqueeze(1)).floor().long().clamp(max=(lens - 1 - gamma).unsqueeze(1))
 
 
-def block_losses(out: dict[str, torch.Tensor], decay: float) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+def reached(hit: torch.Tensor) -> torch.Tensor:
+    """[..., gamma] bool: step k is reached when every step before it is right (step 0 always)."""
+    ones = torch.ones_like(hit[..., :1], dtype=torch.long)
+    return torch.cat([ones, hit[..., :-1].long()], dim=-1).cumprod(dim=-1).bool()
+
+
+def block_losses(out: dict[str, torch.Tensor], decay: float) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     logits, labels, conf = out["logits"], out["labels"], out["confidence"]
     g = labels.shape[-1]
     w = torch.exp(-torch.arange(g, device=labels.device, dtype=torch.float32) / decay)
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none").view(labels.shape)
     ce_loss = (ce * w).sum() / (w.sum() * labels[..., 0].numel())
-    hit = (logits.argmax(-1) == labels).float()
-    conf_loss = F.binary_cross_entropy_with_logits(conf, hit)
-    return ce_loss, conf_loss, {"acc_k1": float(hit[..., 0].mean()), "acc_mean": float(hit.mean())}
+    hit = logits.argmax(-1) == labels
+    reach = reached(hit)
+    r = reach.float()  # a weighted mean, not conf[reach]: no device sync
+    bce = F.binary_cross_entropy_with_logits(conf.float(), hit.float(), reduction="none")
+    conf_loss = (bce * r).sum() / r.sum().clamp_min(1.0)
+    hit = hit.float()
+    accepted = reach[..., 1:].float().sum(-1) + hit[..., -1] * reach[..., -1]
+    # tensors: converted only when logged (no device sync per step)
+    return ce_loss, conf_loss, {"acc_k1": hit[..., 0].mean(), "acc_mean": hit.mean(), "accept_len_tf": 1 + accepted.mean()}
 
 
-def eagle_losses(shared: SharedTarget, out: dict[str, torch.Tensor], decay: float) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+def eagle_reached(hit: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B,gamma,T]: step j at position p continues the chain whose step j-1 sits at p-1."""
+    reach = torch.zeros_like(mask)
+    reach[:, 0] = mask[:, 0]
+    for j in range(1, mask.shape[1]):
+        reach[:, j, 1:] = reach[:, j - 1, :-1] & hit[:, j - 1, :-1] & mask[:, j, 1:]
+    return reach
+
+
+def eagle_losses(shared: SharedTarget, out: dict[str, torch.Tensor], decay: float) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     hidden, labels, mask, conf = out["hidden"], out["labels"], out["mask"], out["confidence"]
     g = labels.shape[1]
     w = torch.exp(-torch.arange(g, device=labels.device, dtype=torch.float32) / decay).view(1, g, 1).expand_as(mask)
@@ -80,19 +107,20 @@ def eagle_losses(shared: SharedTarget, out: dict[str, torch.Tensor], decay: floa
     logits = shared.logits(sel_h)
     ce = F.cross_entropy(logits, sel_y, reduction="none")
     ce_loss = (ce * sel_w).sum() / sel_w.sum().clamp_min(1e-6)
-    hit = (logits.argmax(-1) == sel_y).float()
-    conf_loss = F.binary_cross_entropy_with_logits(conf[mask], hit)
+    hit_sel = logits.argmax(-1) == sel_y
+    hit = torch.zeros_like(mask)
+    hit[mask] = hit_sel
+    reach = eagle_reached(hit, mask)
+    conf_loss = F.binary_cross_entropy_with_logits(conf[reach], hit[reach].float())
     step1 = mask[:, 0]
-    acc1 = float(hit[: int(step1.sum())].mean()) if int(step1.sum()) else 0.0
-    return ce_loss, conf_loss, {"acc_k1": acc1, "acc_mean": float(hit.mean())}
+    acc1 = (hit[:, 0] & step1).sum() / step1.sum().clamp_min(1)
+    return ce_loss, conf_loss, {"acc_k1": acc1, "acc_mean": hit_sel.float().mean()}
 
 
-def drafter_step(target: LlamaTarget, shared: SharedTarget, drafter: nn.Module, seqs: Sequence[tuple[list[int], int]],
-                 cfg: TrainConfig, layers: Sequence[int], gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-    dev = target.device
-    tokens, plen, lens = pad_batch(seqs, 0, dev)
-    _, feats = target.full_forward(tokens, capture_layers=layers, want_logits=False)
-    with _autocast(dev):
+def drafter_step(cache: FeatureCache, shared: SharedTarget, drafter: nn.Module, index: Sequence[int],
+                 cfg: TrainConfig, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    tokens, plen, lens, feats = cache.batch(index)
+    with _autocast(tokens.device):
         if isinstance(drafter, EagleDrafter):
             out = drafter.train_forward(shared, feats, tokens, plen, lens - 1)
             return eagle_losses(shared, out, cfg.decay)
@@ -102,41 +130,55 @@ def drafter_step(target: LlamaTarget, shared: SharedTarget, drafter: nn.Module, 
         return block_losses(out, cfg.decay)
 
 
-def train_drafter(target: LlamaTarget, drafter: nn.Module, seqs: Sequence[tuple[list[int], int]], cfg: TrainConfig) -> list[dict[str, float]]:
-    """Train in place; returns the logged history. Sequences need >= gamma + 1 answer tokens."""
+def train_drafter(target: LlamaTarget, drafter: nn.Module, seqs: Sequence[tuple[list[int], int]], cfg: TrainConfig,
+                  cache: FeatureCache | None = None) -> list[dict[str, float]]:
+    """Train in place; returns the logged history. Sequences need >= gamma + 1 answer tokens.
+
+    `cache` (built over exactly `seqs`) is reused when given, e.g. by several drafters of one process.
+    """
     gamma = drafter.cfg.block_size  # type: ignore[attr-defined]
     layers = list(drafter.cfg.target_layer_ids)  # type: ignore[attr-defined]
-    usable = [s for s in seqs if len(s[0]) - s[1] >= gamma + 1]
+    usable = [i for i, s in enumerate(seqs) if len(s[0]) - s[1] >= gamma + 1]
     if not usable:
         raise ValueError("no training sequence has an answer longer than the block")
+    t_cache = time.perf_counter()
+    if cache is None:
+        cache = FeatureCache(target, seqs, layers)
+    elif cache.num_seqs != len(seqs):
+        raise ValueError("the feature cache was built over other sequences")
     shared = SharedTarget(target.embed, target.lm_head)
     params = [p for p in drafter.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * min(s, cfg.steps) / cfg.steps)))
+    fused = target.device.type == "cuda"
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95), fused=fused)
     rng = random.Random(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
     history: list[dict[str, float]] = []
     t0 = time.perf_counter()
+    logger.info("train %s: feature cache %.1fs", drafter.cfg.kind, t0 - t_cache)  # type: ignore[attr-defined]
     drafter.train()
     for step in range(cfg.steps):
+        elapsed = time.perf_counter() - t0
+        progress = max(step / cfg.steps, elapsed / cfg.time_limit_s if cfg.time_limit_s else 0.0)
+        if progress >= 1.0:
+            logger.info("train: time limit reached at step %d", step)
+            history.append({"step": step - 1, "stopped_by_time_limit": 1.0, "seconds": elapsed})
+            break
+        lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * progress))
+        for group in opt.param_groups:
+            group["lr"] = lr
         batch = [usable[rng.randrange(len(usable))] for _ in range(cfg.batch_size)]
-        ce, conf, info = drafter_step(target, shared, drafter, batch, cfg, layers, gen)
+        ce, conf, info = drafter_step(cache, shared, drafter, batch, cfg, gen)
         loss = ce + cfg.confidence_weight * conf
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
         opt.step()
-        sched.step()
         if step % cfg.log_every == 0 or step == cfg.steps - 1:
-            rec = {"step": step, "ce": float(ce.detach()), "conf_bce": float(conf.detach()), "seconds": time.perf_counter() - t0, **info}
+            rec = {"step": step, "ce": float(ce.detach()), "conf_bce": float(conf.detach()), "lr": lr,
+                   "seconds": time.perf_counter() - t0, **{k: float(v) for k, v in info.items()}}
             history.append(rec)
             logger.info("train %s step %d ce %.3f acc@1 %.3f acc %.3f", drafter.cfg.kind, step, rec["ce"],  # type: ignore[attr-defined]
                         rec["acc_k1"], rec["acc_mean"])
-        if cfg.time_limit_s and time.perf_counter() - t0 > cfg.time_limit_s:
-            logger.info("train: time limit reached at step %d", step)
-            history.append({"step": step, "stopped_by_time_limit": 1.0, "seconds": time.perf_counter() - t0})
-            break
     drafter.eval()
     return history
 
@@ -146,7 +188,8 @@ def teacher_forced_confidence(target: LlamaTarget, drafter: nn.Module, seqs: Seq
                               anchors_per_seq: int = 16, batch_size: int = 16, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Raw confidence logits, outcomes (draft == target token) and validity, [N, gamma], for calibration.
 
-    With teacher forcing the outcome at step k is exactly "accepted given steps < k accepted".
+    Valid are the steps a verifier reaches (all earlier steps right); there the teacher-forced
+    outcome at step k is exactly "accepted given steps < k accepted", as in the loop.
     For eagle, rows are chains (one per anchor) and validity masks steps past the answer end.
     """
     gamma = drafter.cfg.block_size  # type: ignore[attr-defined]
@@ -177,12 +220,12 @@ def teacher_forced_confidence(target: LlamaTarget, drafter: nn.Module, seqs: Seq
                 keep = v2[..., 0]
                 logits_all.append(conf[keep].cpu())
                 hit_all.append(h2[keep].cpu())
-                valid_all.append(v2[keep].cpu())
+                valid_all.append((v2 & reached(h2))[keep].cpu())
             else:
                 anchors = sample_anchors(plen, lens, gamma, anchors_per_seq, gen)
                 out = drafter.train_forward(shared, feats, tokens, anchors)
                 hit = out["logits"].argmax(-1) == out["labels"]
                 logits_all.append(out["confidence"].float().reshape(-1, gamma).cpu())
                 hit_all.append(hit.reshape(-1, gamma).cpu())
-                valid_all.append(torch.ones_like(hit.reshape(-1, gamma)).cpu())
+                valid_all.append(reached(hit).reshape(-1, gamma).cpu())
     return torch.cat(logits_all), torch.cat(hit_all).float(), torch.cat(valid_all).bool()

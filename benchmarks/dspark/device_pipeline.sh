@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The whole GPU evaluation, detached (setsid) by device_run.sh so that it runs on across the
+# device calls that keep the machine: gen -> train (drafters side by side, both GPUs) -> accept
+# (side by side) -> timing (alone per GPU) + float32 losslessness -> merge. $W/stage says where it is.
+# Sizes come from the environment (defaults: the recorded evaluation).
+set -u
+W=${W:-/tmp/dsp}; C=$W/code; L=$W/logs; O=$W/out
+mkdir -p $L $O
+export PYTHONUNBUFFERED=1
+B="python3 $C/bench_drafters.py"; E="python3 $C/drafter_eval.py"
+G0=${G0:-"dspark dflash dspark_gated"}; G1=${G1:-"eagle dspark_rnn"}
+stage() { echo "$1 $(date +%s)" >> $W/stage; }
+stage start
+if ! ls $W/answers_*.pt >/dev/null 2>&1; then
+  for s in 0 1; do CUDA_VISIBLE_DEVICES=$s $B gen --work $W --prompts $W/prompts.pt --shard $s --shards 2 ${GEN_ARGS:-} > $L/gen_$s.log 2>&1 & done
+  wait
+fi
+stage gen
+for n in $G0; do CUDA_VISIBLE_DEVICES=0 $B train --work $W --name $n ${TRAIN_ARGS:-} > $L/train_$n.log 2>&1 & done
+for n in $G1; do CUDA_VISIBLE_DEVICES=1 $B train --work $W --name $n ${TRAIN_ARGS:-} > $L/train_$n.log 2>&1 & done
+wait
+stage train
+for n in $G0; do CUDA_VISIBLE_DEVICES=0 $E accept --work $W --out $O --name $n ${ACCEPT_ARGS:-} > $L/accept_$n.log 2>&1 & done
+for n in $G1; do CUDA_VISIBLE_DEVICES=1 $E accept --work $W --out $O --name $n ${ACCEPT_ARGS:-} > $L/accept_$n.log 2>&1 & done
+wait
+stage accept
+CUDA_VISIBLE_DEVICES=0 $E timing --work $W --out $O --names dspark dflash --with-target --costs --tag 0 ${TIMING_ARGS:-} > $L/timing_0.log 2>&1 &
+( CUDA_VISIBLE_DEVICES=1 $E fp32 --work $W --out $O --names dspark dflash eagle ${FP32_ARGS:-} > $L/fp32.log 2>&1
+  CUDA_VISIBLE_DEVICES=1 $E timing --work $W --out $O --names eagle dspark_gated dspark_rnn --tag 1 ${TIMING_ARGS:-} > $L/timing_1.log 2>&1 ) &
+wait
+$E merge --work $W --out $O > $L/merge.log 2>&1
+stage done
