@@ -12,7 +12,8 @@ export PYTHONPATH=/tmp/shim PYTHONUNBUFFERED=1 KLLM_DEVICE=cuda
 nvidia-smi -L; nvidia-smi topo -m 2>&1 | head -4
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
 if python3 -c "import pytest" 2>/dev/null; then
-  timeout 60 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_ring_cp_gpu.py -k "sparse or kernels_match_sdpa" \
+  # -P: the checkout's own kllm_plugins/ (without plugins/) must not shadow the shim.
+  timeout 60 python3 -P -m pytest -q -p no:cacheprovider tests/gpu/test_ring_cp_gpu.py -k "sparse or kernels_match_sdpa" \
     > $OUT/gpu_tests.log 2>&1; echo "gpu tests rc=$?"; tail -3 $OUT/gpu_tests.log
 else
   echo "no pytest on the device"
