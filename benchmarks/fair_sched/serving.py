@@ -113,7 +113,11 @@ async def _one(session: aiohttp.ClientSession, url: str, job: Job, t0: float) ->
 
 async def _run(url: str, jobs: Sequence[Job]) -> list[Outcome]:
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    # One fresh connection per request: a pooled keep-alive connection that the server closed
+    # after its idle timeout fails with "Cannot write to closing transport" (it cut a run at
+    # 11:17); no pool limit either, so no request waits on the client side for a connection.
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         t0 = time.perf_counter()
         return list(await asyncio.gather(*(_one(session, url, j, t0) for j in jobs)))
 
