@@ -123,7 +123,8 @@ def simulate(jobs: list[Any], make_policy: Callable[[], FairPolicy] | None, cm: 
                 if plan is not None:
                     budget += plan.extra_tokens
             order = [waiting[k] for k in policy.order(items())] if policy is not None else list(waiting)
-            slot_free = chunked is None
+            # SGLang frees the chunked slot inside the pass that runs the last chunk.
+            slot_free = chunked is None or (bool(batch) and chunked.done + batch[0][1] >= chunked.work)
             for r in order:
                 need = r.work - r.done
                 if budget <= 0:

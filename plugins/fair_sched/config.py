@@ -30,7 +30,7 @@ class FairSchedConfig:
     """With > 0, a decode step also waits until the last decode is this many seconds old (0: chunk count only)."""
     short_extra_tokens: int = -1
     """Extra pass tokens for one-chunk requests riding along a full long chunk; -1: one budget; 0: off (they share the budget)."""
-    long_overtake_max: int = 2
+    long_overtake_max: int = 0
     """Waiting long prompts go shortest first, each overtaken by at most this many younger ones; 0: first come first served."""
     mixed_decode: bool = False
     """Running requests decode one token inside every prefill pass (SGLang's mixed chunk), so prefills never stall them."""

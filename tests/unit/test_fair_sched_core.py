@@ -140,6 +140,22 @@ def test_waiting_longs_go_shortest_first_within_the_overtake_cap() -> None:
     assert [queue[i].rid for i in fcfs.order(queue)][:2] == ["s", "old"]
 
 
+def test_next_long_leads_the_queue_while_one_is_active() -> None:
+    """SGLang frees the chunked slot inside the pass that runs the active request's last chunk and
+    truncates the first waiting long request into the rest of it: the order must already put the
+    chosen one first then (the recorded run of 11:35 missed this and never overtook)."""
+    pol = FairPolicy(params(long_overtake_max=2))
+    pol.start_long("A", 1000)
+    queue = [WaitingItem("old", 4000, 0), WaitingItem("s", 50, 1), WaitingItem("short-long", 2000, 2)]
+    assert [queue[i].rid for i in pol.order(queue)] == ["s", "short-long", "old"]
+    # In the pass model: A's last chunk (10 tokens) leaves room, and the shorter long request
+    # starts in that same pass, ahead of the older one.
+    arrivals: list[list[tuple[str, int]]] = [[("A", 138)], [("old", 4000), ("short-long", 2000)]]
+    res = simulate(FairPolicy(params(long_overtake_max=2)), arrivals, [False])
+    assert res.requests["A"].done_pass == res.requests["short-long"].active_pass == 1
+    assert res.requests["old"].active_pass >= res.requests["short-long"].done_pass  # in its last pass at the earliest
+
+
 def test_decode_interval_spaces_decode_steps_on_a_simulated_clock() -> None:
     pol = FairPolicy(params(decode_every_chunks=1, decode_interval_s=0.5))
     pol.start_long("L", 3000)

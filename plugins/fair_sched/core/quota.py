@@ -274,11 +274,16 @@ class FairPolicy:
         shorts = [i for i in idx if self.is_one_chunk(waiting[i].work_tokens)]
         longs = [i for i in idx if not self.is_one_chunk(waiting[i].work_tokens)]
         self._waiting_longs = [waiting[i] for i in longs]
-        if self.active is not None or not longs:
-            return shorts + longs
+        if not longs:
+            return shorts
+        # The next long request leads the longs even while one is active: SGLang frees the chunked
+        # slot inside the pass that runs the active one's last chunk, and the first waiting long
+        # request is then truncated into what is left of that pass.
         first = self._next_long(longs, waiting)
         longs.remove(first)
         longs.insert(0, first)
+        if self.active is not None:
+            return shorts + longs
         room = self._budget(budget) - self.params.min_long_tokens
         used = 0
         cut = 0

@@ -81,9 +81,6 @@ def simulate(
         budget = p.budget_tokens
         used = 0
         active = policy.active
-        # SGLang keeps the chunked slot for the whole pass in which a long request was active (the
-        # adapter refuses a second truncation then), even if its last chunk is in this pass.
-        slot_held = active is not None
         if plan.action == "yield" and plan.yield_to == "decode":
             now += cost(0, True) if cost else 1.0
             clock.append(now)
@@ -113,7 +110,8 @@ def simulate(
             need = req.work_tokens - req.computed_tokens
             if p.ceil_page(need) <= budget:
                 take = need
-            elif not slot_held and not parked:
+            elif policy.active is None and not parked:
+                # As in SGLang: the slot is free again once the active request's last chunk ran.
                 take = budget // p.page_size * p.page_size
             else:
                 break
