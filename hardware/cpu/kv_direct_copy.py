@@ -1,4 +1,4 @@
-"""Layer: plugin core (plain torch, no SGLang import). Torch-native `transfer_kv_direct`.
+"""Layer: hardware, CPU platform (plain torch, no SGLang import). Torch-native `transfer_kv_direct`.
 
 HiCache's `direct` I/O backend moves KV rows between device and host pools with
 `sgl_kernel.kvcacheio.transfer_kv_direct`, imported only on CUDA/HIP/XPU. On a platform

@@ -78,7 +78,8 @@ def kllm_declare() -> PluginSpec:
                 kind="before",
                 why="HiCache host pools are built with pin_memory=True (cudaHostRegister, pinned page buffers), which "
                     "fails without CUDA; build them unpinned where the platform reports no pinned memory",
-                upstream="host pools honouring current_platform.is_pin_memory_available()",
+                upstream="host pools honouring current_platform.is_pin_memory_available(); meanwhile a platform "
+                         "patch list (the hook lives in hardware/cpu/hicache_compat.py)",
             ),
             PatchSpec(
                 target="sglang.srt.mem_cache.pool_host.mha",
@@ -86,7 +87,8 @@ def kllm_declare() -> PluginSpec:
                 kind="registry",
                 why="HiCache's direct I/O backend calls sgl_kernel's transfer_kv_direct, imported only on CUDA/HIP/XPU; "
                     "bind a torch implementation where the name is missing (CPU platform)",
-                upstream="a torch fallback for kvcacheio ops (as _kvcacheio does for XPU), or move to hardware/cpu",
+                upstream="a torch fallback for kvcacheio ops (as _kvcacheio does for XPU); meanwhile a platform "
+                         "patch list (the ops live in hardware/cpu/kv_direct_copy.py)",
             ),
             PatchSpec(
                 target="sglang.srt.disaggregation.kv_events.EventPublisherFactory.register_publisher",

@@ -334,28 +334,23 @@ class KllmFileStorage(HiCacheStorage):
 
 
 def before_host_pool_init(*args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    """Build HiCache host pools unpinned where the platform has no pinned memory (CPU)."""
-    from sglang.srt.platforms import current_platform
-
-    if current_platform.is_pin_memory_available() or not _config().host_pool_unpinned:
+    """Build HiCache host pools unpinned where the platform has no pinned memory (CPU); the
+    platform's own hook (`hardware/cpu/hicache_compat.py`), registered here until the host has a
+    platform patch list. `host_pool_unpinned` false leaves SGLang's call alone."""
+    if not _config().host_pool_unpinned:
         return None
-    if kwargs.get("pin_memory"):
-        kwargs["pin_memory"] = False
-    return args, kwargs
+    from kllm_plugins.hardware.cpu.hicache_compat import unpin_host_pool
+
+    return unpin_host_pool(*args, **kwargs)
 
 
 def bind_direct_copy() -> Callable[[], bool]:
-    """Give HiCache's host pools torch versions of the `direct` I/O ops where sgl-kernel provides none
-    (layer_first and page_first_direct layouts)."""
-    from sglang.srt.mem_cache.pool_host import mha
+    """Torch versions of HiCache's `direct` I/O ops where sgl-kernel provides none: the CPU
+    platform's (`hardware/cpu/hicache_compat.py`), registered here until the host has a platform
+    patch list."""
+    from kllm_plugins.hardware.cpu.hicache_compat import bind_direct_copy as bind
 
-    from kllm_plugins.plugins.kv_tiers.core import direct_copy
-
-    names = ("transfer_kv_direct", "transfer_kv_all_layer_direct_lf_pf", "transfer_kv_per_layer_direct_pf_lf")
-    for name in names:
-        if not hasattr(mha, name):
-            setattr(mha, name, getattr(direct_copy, name))
-    return lambda: all(callable(getattr(mha, n, None)) for n in names)
+    return bind()
 
 
 def _inflight(cache: Any) -> tuple[int, int]:

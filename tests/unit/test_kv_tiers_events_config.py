@@ -11,7 +11,7 @@ import torch
 from kllm_plugins.manager import KllmPluginManager
 from kllm_plugins.plugins.kv_tiers import hookimpls
 from kllm_plugins.plugins.kv_tiers.config import KvTiersConfig
-from kllm_plugins.plugins.kv_tiers.core.direct_copy import transfer_kv_direct
+from kllm_plugins.hardware.cpu.kv_direct_copy import transfer_kv_direct
 from kllm_plugins.plugins.kv_tiers.core.file_store import FilePageStore
 from kllm_plugins.plugins.kv_tiers.core.tier_events import TierEventLog, key_to_block_hash
 
@@ -102,12 +102,14 @@ def test_plugin_declares_options_and_a_patch_ledger(monkeypatch) -> None:
 
 def test_core_and_hookimpls_import_without_sglang(monkeypatch) -> None:
     for name in list(sys.modules):
-        if name.startswith("kllm_plugins.plugins.kv_tiers") or name == "sglang" or name.startswith("sglang."):
+        if (name.startswith(("kllm_plugins.plugins.kv_tiers", "kllm_plugins.hardware.cpu.kv_direct_copy", "sglang."))
+                or name == "sglang"):
             monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "sglang", None)  # import sglang -> ImportError
     for mod in ("core.file_store", "core.page_format", "core.cost_model", "core.fetch_policy", "core.persistence",
-                "core.prefetch_gate", "core.tier_events", "core.direct_copy", "config", "hookimpls"):
+                "core.prefetch_gate", "core.tier_events", "config", "hookimpls"):
         importlib.import_module(f"kllm_plugins.plugins.kv_tiers.{mod}")
+    importlib.import_module("kllm_plugins.hardware.cpu.kv_direct_copy")  # the platform's torch ops
     with pytest.raises(ImportError):
         importlib.import_module("kllm_plugins.plugins.kv_tiers.sglang_adapter")
 
@@ -130,7 +132,7 @@ def test_direct_copy_moves_rows_between_layer_lists(page_size: int) -> None:
 
 
 def test_direct_copy_page_first_direct_round_trip() -> None:
-    from kllm_plugins.plugins.kv_tiers.core.direct_copy import (
+    from kllm_plugins.hardware.cpu.kv_direct_copy import (
         transfer_kv_all_layer_direct_lf_pf,
         transfer_kv_per_layer_direct_pf_lf,
     )

@@ -1,0 +1,42 @@
+"""Layer: hardware, CPU platform; SGLang adapter. What SGLang 0.5.23's HiCache needs to run on a
+platform without pinned memory and without sgl-kernel:
+
+- host pools built unpinned: `HostKVCache.__init__` asks for `pin_memory=True`
+  (cudaHostRegister), which fails without CUDA;
+- torch versions of the `direct` I/O ops (`transfer_kv_direct` and the two page-first/layer-first
+  variants), which `pool_host.mha` imports from sgl-kernel only on CUDA/HIP/XPU.
+
+They belong to the platform, not to a plugin. Until the host applies a platform patch list, the
+kv_tiers plugin registers them (its PatchSpecs delegate here), so HiCache runs on the CPU
+platform whenever kv_tiers is enabled.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+DIRECT_OPS = ("transfer_kv_direct", "transfer_kv_all_layer_direct_lf_pf", "transfer_kv_per_layer_direct_pf_lf")
+
+
+def unpin_host_pool(*args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """BEFORE `HostKVCache.__init__`: ask for an unpinned pool where the platform has no pinned
+    memory; leave the call alone elsewhere."""
+    from sglang.srt.platforms import current_platform
+
+    if current_platform.is_pin_memory_available():
+        return None
+    if kwargs.get("pin_memory"):
+        kwargs["pin_memory"] = False
+    return args, kwargs
+
+
+def bind_direct_copy() -> Callable[[], bool]:
+    """Bind the torch `direct` I/O ops into `pool_host.mha` where sgl-kernel left them unbound;
+    returns a check that all of them are callable."""
+    from sglang.srt.mem_cache.pool_host import mha
+
+    from kllm_plugins.hardware.cpu import kv_direct_copy
+
+    for name in DIRECT_OPS:
+        if not hasattr(mha, name):
+            setattr(mha, name, getattr(kv_direct_copy, name))
+    return lambda: all(callable(getattr(mha, n, None)) for n in DIRECT_OPS)
