@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -25,19 +27,8 @@ from kllm_plugins.plugins.bigpd_router.core.slo_load import (
     ttft_pred,
 )
 
-
-def healthy(url: str, role: Role = Role.PLAIN, **kw: object) -> Instance:
-    inst = Instance(url=url, role=role, **kw)  # type: ignore[arg-type]
-    inst.health = Health.HEALTHY
-    return inst
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
+sys.path.insert(0, str(Path(__file__).parent))
+from bigpd_router_fixtures import Clock, healthy  # noqa: E402
 
 
 # ---------------------------------------------------------------- config

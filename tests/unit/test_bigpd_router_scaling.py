@@ -4,14 +4,13 @@ router service against fake backends that, like SGLang 0.5.23, keep reporting th
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import json
-from typing import AsyncIterator
+import sys
+from pathlib import Path
 
 import aiohttp
 import pytest
-from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -23,26 +22,15 @@ from kllm_plugins.plugins.bigpd_router.core.slo_load import PoolLoad
 from kllm_plugins.plugins.bigpd_router.service.fake_backend import FakeBackend
 from kllm_plugins.plugins.bigpd_router.service.router import Router
 
+sys.path.insert(0, str(Path(__file__).parent))
+from bigpd_router_fixtures import Clock, healthy, serve  # noqa: E402
+
 POLICY = ScalePolicy(up_load=0.9, down_load=0.4, up_sustain_s=4, down_sustain_s=10, cooldown_s=5,
                      min_instances=1, max_instances=4, drain_timeout_s=60)
 
 
 def pl(load: float, n: int) -> PoolLoad:
     return PoolLoad(pred=load, actual=0.0, target=1.0, instances=n)
-
-
-def healthy(url: str, role: Role) -> Instance:
-    inst = Instance(url=url, role=role)
-    inst.health = Health.HEALTHY
-    return inst
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 class Actuator:
@@ -201,18 +189,6 @@ def test_start_switch_drains_then_flips_and_refuses_what_it_cannot() -> None:
 
 
 # ---------------------------------------------------------------- a role swap through the service
-@contextlib.asynccontextmanager
-async def serve(app: web.Application) -> AsyncIterator[str]:
-    runner = web.AppRunner(app, shutdown_timeout=2)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
-    finally:
-        await runner.cleanup()
-
-
 def role_of(router: Router, url: str) -> Role | None:
     inst = router.registry.get(url)
     return None if inst is None else inst.role

@@ -4,31 +4,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import sys
+from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from kllm_plugins.plugins.bigpd_router.config import RouterConfig
 from kllm_plugins.plugins.bigpd_router.core.registry import Health, Role
 from kllm_plugins.plugins.bigpd_router.service.fake_backend import FakeBackend
 from kllm_plugins.plugins.bigpd_router.service.router import Router
 
+sys.path.insert(0, str(Path(__file__).parent))
+from bigpd_router_fixtures import serve  # noqa: E402
+
 FAST = dict(health_interval_s=0.1, loads_interval_s=0.1, health_failures=1)
-
-
-@contextlib.asynccontextmanager
-async def serve(app: web.Application) -> AsyncIterator[str]:
-    runner = web.AppRunner(app, shutdown_timeout=2)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
 
 
 @contextlib.asynccontextmanager

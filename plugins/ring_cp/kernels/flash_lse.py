@@ -113,6 +113,18 @@ def _pow2(n: int) -> int:
     return max(16, 1 << (int(n) - 1).bit_length())
 
 
+def lse_output_buffers(acc_out: torch.Tensor | None, acc_lse: torch.Tensor | None, sq: int, h: int,
+                       dv: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 (out, lse) a kernel writes: the caller's accumulators when both are given (checked),
+    otherwise fresh buffers of shape (sq, h, dv) and (sq, h)."""
+    if acc_out is not None and acc_lse is not None:
+        if acc_out.dtype != torch.float32 or acc_lse.dtype != torch.float32 or acc_out.stride(-1) != 1:
+            raise ValueError("acc_out/acc_lse must be fp32 with a unit last stride")
+        return acc_out, acc_lse
+    return (torch.empty(sq, h, dv, dtype=torch.float32, device=device),
+            torch.empty(sq, h, dtype=torch.float32, device=device))
+
+
 def flash_attention_lse(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
     block_m: int | None = None, block_n: int | None = None,
@@ -132,14 +144,7 @@ def flash_attention_lse(
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a unit stride in its last dimension")
     accum = acc_out is not None and acc_lse is not None
-    if accum:
-        assert acc_out is not None and acc_lse is not None
-        if acc_out.dtype != torch.float32 or acc_lse.dtype != torch.float32 or acc_out.stride(-1) != 1:
-            raise ValueError("acc_out/acc_lse must be fp32 with a unit last stride")
-        out, lse = acc_out, acc_lse
-    else:
-        out = torch.empty(sq, h, dv, dtype=torch.float32, device=q.device)
-        lse = torch.empty(sq, h, dtype=torch.float32, device=q.device)
+    out, lse = lse_output_buffers(acc_out, acc_lse, sq, h, dv, q.device)
     if sq == 0:
         return out, lse
     on_gpu = q.is_cuda

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .flash_lse import lse_output_buffers
+
 logger = logging.getLogger("kllm.ring_cp")
 
 
@@ -182,14 +184,7 @@ def sparse_latent_attention(
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a unit stride in its last dimension")
     accum = acc_out is not None and acc_lse is not None
-    if accum:
-        assert acc_out is not None and acc_lse is not None
-        if acc_out.dtype != torch.float32 or acc_lse.dtype != torch.float32 or acc_out.stride(-1) != 1:
-            raise ValueError("acc_out/acc_lse must be fp32 with a unit last stride")
-        out, lse = acc_out, acc_lse
-    else:
-        out = torch.empty(sq, h, v_dim, dtype=torch.float32, device=q.device)
-        lse = torch.empty(sq, h, dtype=torch.float32, device=q.device)
+    out, lse = lse_output_buffers(acc_out, acc_lse, sq, h, v_dim, q.device)
     if sq == 0:
         return out, lse
     if rows.stride(-1) != 1:
