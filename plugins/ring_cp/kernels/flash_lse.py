@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .online_softmax import merge_partial, softmax_step
+
 
 @triton.jit
 def _attend_block(
@@ -34,11 +36,7 @@ def _attend_block(
         if CAUSAL:
             keep = keep & (offs_n[None, :] <= offs_m[:, None] + diag)
         s = tl.where(keep, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp(s - m_safe[:, None])
-    alpha = tl.exp(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p, alpha, m_new, l_i = softmax_step(s, m_i, l_i)
     if BOUNDS:
         v = tl.load(V + offs_n[:, None] * stride_vt + kvh * stride_vh + offs_dv[None, :],
                     mask=col_ok[:, None] & (offs_dv < DV_REAL)[None, :], other=0.0)
@@ -96,14 +94,7 @@ def _flash_lse_fwd(
         # O and LSE hold a running partial: merge in place (saves a separate pass over fp32 out).
         a_l = tl.load(LSE + offs_m * stride_lt + h * stride_lh, mask=row_ok, other=float("-inf"))
         a_o = tl.load(o_ptrs, mask=o_mask, other=0.0)
-        mx = tl.maximum(a_l, lse)
-        mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
-        wa = tl.exp(a_l - mx_safe)
-        wb = tl.exp(lse - mx_safe)
-        den = wa + wb
-        ok = den > 0
-        out = (a_o * wa[:, None] + out * wb[:, None]) / tl.where(ok, den, 1.0)[:, None]
-        lse = tl.where(ok, mx_safe + tl.log(tl.where(ok, den, 1.0)), float("-inf"))
+        out, lse = merge_partial(a_o, a_l, out, lse)
     tl.store(O + offs_m[:, None] * stride_ot + h * stride_oh + offs_dv[None, :], out,
              mask=row_ok[:, None] & (offs_dv < DV_REAL)[None, :])
     tl.store(LSE + offs_m * stride_lt + h * stride_lh, lse, mask=row_ok)

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from .flash_lse import lse_output_buffers
+from .online_softmax import merge_partial, softmax_step
 
 logger = logging.getLogger("kllm.ring_cp")
 
@@ -88,11 +89,7 @@ def _sparse_latent_fwd(
         k = tl.load(KV + rows[:, None] * stride_kt + offs_d[None, :], mask=r_ok[:, None] & d_ok[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k)) * scale
         s = tl.where(r_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_new, l_i = softmax_step(s, m_i, l_i)
         if SAME_V:
             v = k
         else:
@@ -114,14 +111,7 @@ def _sparse_latent_fwd(
         l_mask = l_mask & busy
         a_l = tl.load(l_ptrs, mask=l_mask, other=float("-inf"))
         a_o = tl.load(o_ptrs, mask=o_mask, other=0.0)
-        mx = tl.maximum(a_l, lse)
-        mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
-        wa = tl.exp(a_l - mx_safe)
-        wb = tl.exp(lse - mx_safe)
-        den = wa + wb
-        ok = den > 0
-        out = (a_o * wa[:, None] + out * wb[:, None]) / tl.where(ok, den, 1.0)[:, None]
-        lse = tl.where(ok, mx_safe + tl.log(tl.where(ok, den, 1.0)), float("-inf"))
+        out, lse = merge_partial(a_o, a_l, out, lse)
     tl.store(o_ptrs, out, mask=o_mask)
     tl.store(l_ptrs, lse, mask=l_mask)
 
