@@ -19,6 +19,7 @@ from kllm_plugins.attach import Attacher, AttachReport
 from kllm_plugins.errors import KllmConfigError
 from kllm_plugins.manager import ENV_SELECTION, EnabledPlugin, KllmPluginManager
 from kllm_plugins.options import load_yaml_config
+from kllm_plugins.platform_patches import selected_platform_groups
 from kllm_plugins.spec import PatchSpec
 
 logger = logging.getLogger("kllm")
@@ -80,7 +81,10 @@ class Host:
         self._announced = False
 
     def attach_host_patches(self) -> None:
+        """The host's own patches, then the selected platform's (`platform_patches.py`)."""
         self.attacher.add("kllm", HOST_PATCHES)
+        for group, patches in selected_platform_groups():
+            self.attacher.add(group, patches)
         self._finish(self.attacher.apply_and_verify(), [])
 
     def enable(self, selection: list[str], cli_values: Mapping[str, Any] | None = None) -> list[str]:

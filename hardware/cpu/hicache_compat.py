@@ -6,9 +6,9 @@ platform without pinned memory and without sgl-kernel:
 - torch versions of the `direct` I/O ops (`transfer_kv_direct` and the two page-first/layer-first
   variants), which `pool_host.mha` imports from sgl-kernel only on CUDA/HIP/XPU.
 
-They belong to the platform, not to a plugin. Until the host applies a platform patch list, the
-kv_tiers plugin registers them (its PatchSpecs delegate here), so HiCache runs on the CPU
-platform whenever kv_tiers is enabled.
+They belong to the platform, not to a plugin: `patches.py` lists them and the host applies that
+list in every SGLang process when the CPU platform is selected, so stock HiCache runs on the CPU
+platform with or without any plugin.
 """
 from __future__ import annotations
 

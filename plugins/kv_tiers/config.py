@@ -17,6 +17,10 @@ class KvTiersConfig:
     write_all_below_pressure: bool = True
     """Write every page while the store is below `fill_high` and the writer below `busy_high` (as
     stock); selective admission (`min_reuse` sightings) starts with the first kind of pressure."""
+    reuse_window: int = 32
+    """Write-all (above) holds only while one of the last `reuse_window` L3 lookups reused something
+    (a cached prefix or an L3 hit) or a page came back; otherwise nothing is written before its
+    `min_reuse`-th sighting (a workload without reuse writes nothing). 0: write-all always."""
     fill_high: float = 0.9
     """Store fill fraction above which the reuse bar is raised (capacity pressure)."""
     busy_high: float = 0.5
@@ -39,8 +43,6 @@ class KvTiersConfig:
     """Set HiCache's L3 prefetch and L2 load-back thresholds from the measured break-even lengths."""
     instance_id: str = ""
     """Instance id carried by tier events ("" = <hostname>:<port or pid>)."""
-    host_pool_unpinned: bool = True
-    """On platforms without pinned memory, allocate HiCache host pools unpinned (needed on CPU)."""
 
     def __post_init__(self) -> None:
         if self.store_capacity_gb <= 0:
@@ -53,6 +55,8 @@ class KvTiersConfig:
                 raise ValueError(f"{name} must be in (0, 1], got {v}")
         if self.fetch_margin < 1:
             raise ValueError(f"fetch_margin must be >= 1, got {self.fetch_margin}")
+        if self.reuse_window < 0:
+            raise ValueError(f"reuse_window must be >= 0, got {self.reuse_window}")
         if self.explore_every < 0:
             raise ValueError(f"explore_every must be >= 0, got {self.explore_every}")
         for name in ("l3_read_gbps", "l2_load_gbps", "prefill_tokens_per_s"):

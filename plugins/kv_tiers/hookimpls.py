@@ -24,6 +24,8 @@ def kllm_declare() -> PluginSpec:
             OptionSpec("min_reuse", int, _D.min_reuse, "sightings before a page is written to L3 (1 = all)"),
             OptionSpec("write_all_below_pressure", parse_bool, _D.write_all_below_pressure,
                        "write every page while the store has room and bandwidth; select only under pressure"),
+            OptionSpec("reuse_window", int, _D.reuse_window,
+                       "write-all only while one of the last N L3 lookups reused something (0: always)"),
             OptionSpec("fill_high", float, _D.fill_high, "store fill fraction that raises the reuse bar"),
             OptionSpec("busy_high", float, _D.busy_high, "writer busy fraction that raises the reuse bar"),
             OptionSpec("fetch_margin", float, _D.fetch_margin, "fetch only when this many times cheaper than recompute"),
@@ -37,8 +39,6 @@ def kllm_declare() -> PluginSpec:
             OptionSpec("adaptive_thresholds", parse_bool, _D.adaptive_thresholds,
                        "set HiCache's prefetch / load-back thresholds from measured break-even lengths"),
             OptionSpec("instance_id", str, _D.instance_id, "instance id in tier events ('' = host:port)"),
-            OptionSpec("host_pool_unpinned", parse_bool, _D.host_pool_unpinned,
-                       "allocate HiCache host pools unpinned where pinned memory is unavailable (CPU)"),
         ),
         patches=(
             PatchSpec(
@@ -71,24 +71,6 @@ def kllm_declare() -> PluginSpec:
                 why="append L3 (DISK) store/remove events to the radix cache's KV events; the tree core emits "
                     "GPU and CPU media only",
                 upstream="KV events from the HiCache storage threads (record_store with StorageMedium.DISK/EXTERNAL)",
-            ),
-            PatchSpec(
-                target="sglang.srt.mem_cache.pool_host.base.HostKVCache.__init__",
-                impl=f"{ADAPTER}:before_host_pool_init",
-                kind="before",
-                why="HiCache host pools are built with pin_memory=True (cudaHostRegister, pinned page buffers), which "
-                    "fails without CUDA; build them unpinned where the platform reports no pinned memory",
-                upstream="host pools honouring current_platform.is_pin_memory_available(); meanwhile a platform "
-                         "patch list (the hook lives in hardware/cpu/hicache_compat.py)",
-            ),
-            PatchSpec(
-                target="sglang.srt.mem_cache.pool_host.mha",
-                impl=f"{ADAPTER}:bind_direct_copy",
-                kind="registry",
-                why="HiCache's direct I/O backend calls sgl_kernel's transfer_kv_direct, imported only on CUDA/HIP/XPU; "
-                    "bind a torch implementation where the name is missing (CPU platform)",
-                upstream="a torch fallback for kvcacheio ops (as _kvcacheio does for XPU); meanwhile a platform "
-                         "patch list (the ops live in hardware/cpu/kv_direct_copy.py)",
             ),
             PatchSpec(
                 target="sglang.srt.disaggregation.kv_events.EventPublisherFactory.register_publisher",

@@ -76,7 +76,8 @@ class _Tiers:
         self.instance_id = _instance_id(cfg)
         self.fetch: FetchOrRecompute | None = None  # built once the KV size per token is known
         self.persistence = PersistencePolicy(cfg.min_reuse, cfg.fill_high, cfg.busy_high,
-                                             write_all_below_pressure=cfg.write_all_below_pressure)
+                                             write_all_below_pressure=cfg.write_all_below_pressure,
+                                             reuse_window=cfg.reuse_window)
         self.gate = PrefetchGate(cfg.prefetch_max_inflight_ops, cfg.prefetch_max_inflight_tokens)
         self.write_busy = BusyMeter()
         self.events: TierEventLog | None = None
@@ -85,6 +86,10 @@ class _Tiers:
         self.backend_name = "file"
         self.counts: dict[str, int] = {"prefetch_admitted": 0, "prefetch_refused": 0,
                                        "pages_skipped": 0, "pages_admitted": 0}
+        # wall seconds and calls spent in this plugin's L3 path (lookups, reads, writes incl. offer
+        # markers): what a workload pays for the tiers beyond HiCache itself
+        self.path_s: dict[str, float] = {"lookup": 0.0, "read": 0.0, "write": 0.0}
+        self.path_calls: dict[str, int] = {"lookup": 0, "read": 0, "write": 0}
         self._lock = threading.Lock()
         self._never: dict[str, bool] = {}
         self._m_pages = metrics.counter("kllm_kv_tiers_l3_pages_total", "L3 pages by outcome", ("outcome",))
@@ -153,13 +158,20 @@ class _Tiers:
         else:
             logger.info("kv_tiers: %s worth fetching again for hits of %d tokens and more", tier, int(min_tokens))
 
+    def spent(self, what: str, seconds: float) -> None:
+        with self._lock:
+            self.path_s[what] += seconds
+            self.path_calls[what] += 1
+
     def count(self, what: str, n: int = 1) -> None:
         with self._lock:
             self.counts[what] = self.counts.get(what, 0) + n
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
-            out: dict[str, Any] = {"instance_id": self.instance_id, **self.counts}
+            out: dict[str, Any] = {"instance_id": self.instance_id, **self.counts,
+                                   "path_s": dict(self.path_s), "path_calls": dict(self.path_calls)}
+        out["write_mode"] = "dormant" if self.persistence.dormant() else "active"
         if self.store is not None:
             out["store"] = self.store.stats.snapshot()
             out["store_used_bytes"] = self.store.used_bytes
@@ -250,7 +262,16 @@ class KllmFileStorage(HiCacheStorage):
     def batch_exists(self, keys: List[str], extra_info: Any = None) -> int:
         if self.store is None:
             return 0
+        t0 = time.perf_counter()
+        try:
+            return self._batch_exists(keys, extra_info)
+        finally:
+            self.t.spent("lookup", time.perf_counter() - t0)
+
+    def _batch_exists(self, keys: List[str], extra_info: Any) -> int:
+        assert self.store is not None
         n = self.store.prefix_hits(keys)
+        self.t.persistence.note_request(bool(n) or extends_cached_prefix(extra_info))
         logger.debug("kv_tiers lookup: %d of %d pages in L3 (continuation: %s)", n, len(keys),
                      extends_cached_prefix(extra_info))
         if n < len(keys):
@@ -270,6 +291,13 @@ class KllmFileStorage(HiCacheStorage):
 
     def batch_get(self, keys: List[str], target_locations: Optional[Any] = None,
                   target_sizes: Optional[Any] = None) -> List[torch.Tensor | None]:
+        t0 = time.perf_counter()
+        try:
+            return self._batch_get(keys, target_locations)
+        finally:
+            self.t.spent("read", time.perf_counter() - t0)
+
+    def _batch_get(self, keys: List[str], target_locations: Optional[Any]) -> List[torch.Tensor | None]:
         out: list[torch.Tensor | None] = [None] * len(keys)
         for i, key in enumerate(keys):
             target = target_locations[i] if target_locations is not None else None
@@ -289,11 +317,19 @@ class KllmFileStorage(HiCacheStorage):
                   target_sizes: Optional[Any] = None) -> bool:
         if self.store is None or values is None:
             return False
+        t0 = time.perf_counter()
+        try:
+            return self._batch_set(list(keys), values)
+        finally:
+            self.t.spent("write", time.perf_counter() - t0)
+
+    def _batch_set(self, keys: list[str], values: Any) -> bool:
+        assert self.store is not None
         fill = self.store.used_bytes / self.store.capacity_bytes
         busy = self.t.write_busy.fraction()
-        keys = list(keys)
-        # offer markers only matter when a page needs more than one sighting
-        selective = self.t.persistence.threshold(fill, busy) > 1
+        # offer markers only matter when a page needs more than one sighting, and are left out
+        # while the policy sees no reuse at all (dormant: a page then needs its sightings here)
+        selective = self.t.persistence.threshold(fill, busy) > 1 and not self.t.persistence.dormant()
         if selective:
             fresh = [k for k in keys if not self.t.persistence.counter.count(k)]
             self.t.persistence.note_remote_sightings(fresh, self.store.note_offered(fresh))
@@ -331,26 +367,6 @@ class KllmFileStorage(HiCacheStorage):
 
 
 # -- hooks -----------------------------------------------------------------------------------
-
-
-def before_host_pool_init(*args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    """Build HiCache host pools unpinned where the platform has no pinned memory (CPU); the
-    platform's own hook (`hardware/cpu/hicache_compat.py`), registered here until the host has a
-    platform patch list. `host_pool_unpinned` false leaves SGLang's call alone."""
-    if not _config().host_pool_unpinned:
-        return None
-    from kllm_plugins.hardware.cpu.hicache_compat import unpin_host_pool
-
-    return unpin_host_pool(*args, **kwargs)
-
-
-def bind_direct_copy() -> Callable[[], bool]:
-    """Torch versions of HiCache's `direct` I/O ops where sgl-kernel provides none: the CPU
-    platform's (`hardware/cpu/hicache_compat.py`), registered here until the host has a platform
-    patch list."""
-    from kllm_plugins.hardware.cpu.hicache_compat import bind_direct_copy as bind
-
-    return bind()
 
 
 def _inflight(cache: Any) -> tuple[int, int]:

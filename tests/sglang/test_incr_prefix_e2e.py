@@ -45,9 +45,9 @@ def test_outputs_identical_and_tail_inserts_counted(tiny_model_path: Path, treec
     if treecore == "python":
         env["KLLM_INCR_PREFIX_FORCE_PYTHON_TREECORE"] = "1"
     else:
-        # HiCache runs on the CPU platform with the kv_tiers plugin's host-copy support.
+        # HiCache runs on the CPU platform through the platform's own patch list
+        # (hardware/cpu/patches.py): no kv_tiers plugin needed.
         args += HICACHE_ARGS
-        plugins.append("kv_tiers")
     prompts = _prompts()
     with SGLangServer(tiny_model_path, plugins=plugins, extra_args=args, env=env, max_total_tokens=4096,
                       startup_timeout_s=300) as srv:

@@ -218,7 +218,7 @@ def test_prefetch_hook_completes_the_prefix_keys_with_the_anchor_node(backend_fa
 def test_below_pressure_every_page_is_written_at_first_sighting(backend_factory) -> None:
     """The plugin's default: a store with room takes every page (as stock write-through); the
     same pages offered to a selective store are skipped at their first sighting."""
-    b = backend_factory(min_reuse=2, write_all_below_pressure=True)
+    b = backend_factory(min_reuse=2, write_all_below_pressure=True, reuse_window=0)
     keys, pages = _keys(3, "w"), _pages(3, 7)
     assert b.batch_set(keys, pages)
     assert b.batch_exists(keys) == 3 and b.t.counts["pages_admitted"] == 3
@@ -227,6 +227,28 @@ def test_below_pressure_every_page_is_written_at_first_sighting(backend_factory)
     sel = backend_factory(min_reuse=2, write_all_below_pressure=False)
     other = _keys(3, "v")
     assert sel.batch_set(other, pages) and sel.batch_exists(other) == 0
+
+
+def test_without_reuse_nothing_is_written_and_one_reuse_turns_write_all_on(backend_factory) -> None:
+    """The default (write-all below pressure, reuse window): one-off requests write no page and no
+    offer marker; once a lookup extends a cached prefix, every page is written at first sighting."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+
+    b = backend_factory(min_reuse=2, write_all_below_pressure=True, reuse_window=4)
+    seen = os.path.join(b.store.folder, ".seen")
+    for i in range(6):  # one-off prompts: looked up (nothing there), computed, offered once
+        keys = _keys(2, f"u{i}")
+        assert b.batch_exists(keys) == 0
+        assert b.batch_set(keys, _pages(2, i))
+    assert b.t.counts["pages_admitted"] == 0 and len(b.store) == 0
+    assert not os.path.exists(seen) or not os.listdir(seen)
+    snap = b.t.snapshot()
+    assert snap["write_mode"] == "dormant" and snap["path_calls"]["write"] == 6 and snap["path_calls"]["lookup"] == 6
+    keys = _keys(3, "conv")  # a conversation's next turn: its lookup carries the matched prefix's keys
+    assert b.batch_exists(keys, HiCacheStorageExtraInfo(prefix_keys=["p1"])) == 0
+    assert b.t.snapshot()["write_mode"] == "active"
+    other = _keys(2, "first-turn")
+    assert b.batch_set(other, _pages(2, 9)) and b.batch_exists(other) == 2  # written at first sighting
 
 
 def test_prefetch_hook_sets_break_even_threshold_and_bounds_inflight(backend_factory) -> None:
@@ -264,17 +286,6 @@ def test_load_back_hook_measures_and_sets_threshold(backend_factory) -> None:
     assert out == (128, "node")
     assert cache.load_back_threshold == int(b.t.fetch.min_fetch_tokens("l2"))
     assert b.t.fetch.tiers["l2"].samples == 1 and b.t.counts["l2_loaded_tokens"] == 128
-
-
-def test_host_pool_hook_unpins_only_without_pinned_memory(monkeypatch) -> None:
-    from sglang.srt.platforms import current_platform
-
-    from kllm_plugins.plugins.kv_tiers import sglang_adapter as ad
-
-    monkeypatch.setattr(type(current_platform), "is_pin_memory_available", lambda self, device=None: False)
-    assert ad.before_host_pool_init("self", pin_memory=True, page_size=16) == (("self",), {"pin_memory": False, "page_size": 16})
-    monkeypatch.setattr(type(current_platform), "is_pin_memory_available", lambda self, device=None: True)
-    assert ad.before_host_pool_init("self", pin_memory=True) is None
 
 
 def test_every_patch_target_resolves_against_installed_sglang() -> None:
