@@ -43,6 +43,11 @@ class KvTiersConfig:
     """Set HiCache's L3 prefetch and L2 load-back thresholds from the measured break-even lengths."""
     instance_id: str = ""
     """Instance id carried by tier events ("" = <hostname>:<port or pid>)."""
+    staged_copier: bool = True
+    """On CUDA, move HiCache's L1<->L2 pages through the staged copier (direct I/O backend,
+    page_first_direct host layout); other devices and layouts keep SGLang's own transfer."""
+    staged_copier_chunk_pages: int = 256
+    """Pages per staging buffer of the copier (two buffers per host pool)."""
 
     def __post_init__(self) -> None:
         if self.store_capacity_gb <= 0:
@@ -63,7 +68,7 @@ class KvTiersConfig:
             v = getattr(self, name)
             if not v > 0:
                 raise ValueError(f"{name} must be > 0, got {v}")
-        for name in ("prefetch_max_inflight_ops", "prefetch_max_inflight_tokens"):
+        for name in ("prefetch_max_inflight_ops", "prefetch_max_inflight_tokens", "staged_copier_chunk_pages"):
             v = getattr(self, name)
             if v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")

@@ -7,6 +7,8 @@ from kllm_plugins.spec import OptionSpec, PatchSpec, PluginSpec, parse_bool
 
 ADAPTER = "kllm_plugins.plugins.kv_tiers.sglang_adapter"
 URC = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache"
+COPIER = "kllm_plugins.plugins.kv_tiers.sglang_copier"
+MHA_HOST = "sglang.srt.mem_cache.pool_host.mha.MHATokenToKVPoolHost"
 
 _D = KvTiersConfig()
 
@@ -39,6 +41,10 @@ def kllm_declare() -> PluginSpec:
             OptionSpec("adaptive_thresholds", parse_bool, _D.adaptive_thresholds,
                        "set HiCache's prefetch / load-back thresholds from measured break-even lengths"),
             OptionSpec("instance_id", str, _D.instance_id, "instance id in tier events ('' = host:port)"),
+            OptionSpec("staged_copier", parse_bool, _D.staged_copier,
+                       "CUDA: HiCache L1<->L2 pages through the staged copier (direct, page_first_direct)"),
+            OptionSpec("staged_copier_chunk_pages", int, _D.staged_copier_chunk_pages,
+                       "pages per staging buffer of the copier"),
         ),
         patches=(
             PatchSpec(
@@ -71,6 +77,22 @@ def kllm_declare() -> PluginSpec:
                 why="append L3 (DISK) store/remove events to the radix cache's KV events; the tree core emits "
                     "GPU and CPU media only",
                 upstream="KV events from the HiCache storage threads (record_store with StorageMedium.DISK/EXTERNAL)",
+            ),
+            PatchSpec(
+                target=f"{MHA_HOST}.backup_from_device_all_layer",
+                impl=f"{COPIER}:around_backup_from_device_all_layer",
+                kind="around",
+                why="on CUDA (direct I/O, page_first_direct host layout) write pages to L2 through the staged "
+                    "copier: gathered on the device, one DMA per run of host pages; elsewhere SGLang's own copy",
+                upstream="a pluggable host<->device transfer in HiCache's host pools (or a staged kvcacheio op)",
+            ),
+            PatchSpec(
+                target=f"{MHA_HOST}.load_to_device_per_layer",
+                impl=f"{COPIER}:around_load_to_device_per_layer",
+                kind="around",
+                why="on CUDA (direct I/O, page_first_direct host layout) load L2 pages through the staged "
+                    "copier, all layers at the first layer's call; elsewhere SGLang's own copy",
+                upstream="a pluggable host<->device transfer in HiCache's host pools (or a staged kvcacheio op)",
             ),
             PatchSpec(
                 target="sglang.srt.disaggregation.kv_events.EventPublisherFactory.register_publisher",

@@ -214,6 +214,7 @@ class KllmMooncakeStorage(MooncakeStore):
         except Exception as exc:  # noqa: BLE001
             self._call_failed("lookup", exc, len(keys))
             return 0
+        self.t.persistence.note_request(bool(n) or extends_cached_prefix(extra_info))
         if n < len(keys):
             self.t.persistence.note_lookup_miss(keys[n:])
             if n or extends_cached_prefix(extra_info):

@@ -227,3 +227,28 @@ def test_below_pressure_everything_is_written_and_selection_starts_with_pressure
     # the selective rule alone (the flag off) keeps its bar without pressure
     q = PersistencePolicy(min_reuse=2, write_all_below_pressure=False)
     assert q.threshold(0.0, 0.0) == 2 and q.admit(["a"], 0.0, 0.0).admitted == 0
+
+
+def test_write_all_waits_for_a_sign_of_reuse() -> None:
+    """With a reuse window, write-all holds only while recent lookups reused something: a workload
+    of one-off prompts writes nothing (pages need `min_reuse` sightings), and one reused lookup
+    turns write-all back on until the window forgets it."""
+    p = PersistencePolicy(min_reuse=2, write_all_below_pressure=True, reuse_window=3)
+    assert p.dormant() and p.threshold(0.0, 0.0) == 2  # nothing seen yet: select
+    for i in range(5):
+        p.note_request(False)
+        assert p.admit([f"one-off-{i}"], 0.0, 0.0).admitted == 0
+    p.note_request(True)  # a request extended a cached prefix
+    assert not p.dormant() and p.threshold(0.0, 0.0) == 1
+    assert p.admit(["fresh"], 0.0, 0.0).admitted == 1
+    p.note_request(False)
+    p.note_request(False)
+    assert not p.dormant()  # the reused lookup is still one of the last three
+    p.note_request(False)
+    assert p.dormant() and p.admit(["fresh2"], 0.0, 0.0).admitted == 0
+    # a page offered again (evicted and recomputed) is a sign of reuse too, and is admitted
+    assert p.admit(["fresh2"], 0.0, 0.0).admitted == 1 and not p.dormant()
+    # pressure keeps its meaning when active; the window off means write-all always
+    assert p.threshold(0.95, 0.0) == 2
+    q = PersistencePolicy(min_reuse=2, write_all_below_pressure=True, reuse_window=0)
+    assert not q.dormant() and q.admit(["x"], 0.0, 0.0).admitted == 1

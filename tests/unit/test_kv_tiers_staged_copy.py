@@ -49,3 +49,70 @@ def test_shapes_and_types_are_checked() -> None:
     with pytest.raises(ValueError, match="chunk_pages"):
         StagedCopier(torch.device("cpu"), 24, torch.float32, chunk_pages=0)
     assert page_shape(torch.zeros(3, 10, 8), "layer_first") == (10, 24)
+
+
+# -- SGLang's HiCache shapes: per-layer device tensors, page_first_direct host pool -------------
+
+def _sglang_pools(layers: int = 3, dev_pages: int = 40, host_pages: int = 50, ps: int = 4, heads: int = 2,
+                  dim: int = 8) -> tuple[list[torch.Tensor], torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    # MHATokenToKVPool: one [size + page_size, heads, dim] tensor per layer
+    dev = [torch.randn(dev_pages * ps + ps, heads, dim, generator=g) for _ in range(layers)]
+    # MHATokenToKVPoolHost, page_first_direct: [pages, layers, page_size, heads, dim]
+    host = torch.randn(host_pages, layers, ps, heads, dim, generator=g)
+    return dev, host
+
+
+def _tokens(pages: list[int], ps: int) -> torch.Tensor:
+    return torch.tensor([p * ps + i for p in pages for i in range(ps)])
+
+
+def test_page_ids_and_runs() -> None:
+    from kllm_plugins.plugins.kv_tiers.core.staged_copy import page_ids, runs
+
+    assert page_ids(_tokens([5, 6, 9], 4), 4).tolist() == [5, 6, 9]
+    with pytest.raises(ValueError):
+        page_ids(torch.tensor([1, 2, 3, 4]), 4)  # not page-aligned
+    with pytest.raises(ValueError):
+        page_ids(torch.tensor([0, 1, 2]), 4)  # not whole pages
+    assert runs(torch.tensor([7, 8, 9, 3, 4, 12])) == [(0, 7, 3), (3, 3, 2), (5, 12, 1)]
+    assert runs(torch.tensor([], dtype=torch.long)) == []
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 64])
+def test_layer_list_copier_moves_whole_pages_both_ways(chunk: int) -> None:
+    from kllm_plugins.plugins.kv_tiers.core.staged_copy import LayerListCopier
+
+    ps, layers = 4, 3
+    dev, host = _sglang_pools(layers=layers, ps=ps)
+    cp = LayerListCopier("cpu", layers, ps * 2 * 8, torch.float32, chunk_pages=chunk)
+    dev_pages = torch.tensor([3, 17, 4, 30, 31, 0, 9])
+    host_pages = torch.tensor([10, 11, 12, 40, 2, 3, 49])  # runs of consecutive host pages and singles
+    before = host.clone()
+    cp.to_host(dev, host, dev_pages, host_pages, ps)
+    for d, h in zip(dev_pages.tolist(), host_pages.tolist()):
+        for layer in range(layers):
+            assert torch.equal(host[h, layer], dev[layer][d * ps:(d + 1) * ps])
+    untouched = [p for p in range(host.shape[0]) if p not in host_pages.tolist()]
+    assert torch.equal(host[untouched], before[untouched])
+    # back: fresh host content into other device pages
+    host[host_pages] = torch.randn(len(host_pages), layers, ps, 2, 8)
+    target = torch.tensor([1, 2, 5, 6, 7, 8, 39])
+    dev_before = [x.clone() for x in dev]
+    cp.to_device(host, host_pages, dev, target, ps)
+    for d, h in zip(target.tolist(), host_pages.tolist()):
+        for layer in range(layers):
+            assert torch.equal(dev[layer][d * ps:(d + 1) * ps], host[h, layer])
+    others = [r for r in range(dev[0].shape[0]) if r // ps not in target.tolist()]
+    assert all(torch.equal(x[others], y[others]) for x, y in zip(dev, dev_before))
+
+
+def test_layer_list_copier_refuses_mismatched_pools() -> None:
+    from kllm_plugins.plugins.kv_tiers.core.staged_copy import LayerListCopier
+
+    dev, host = _sglang_pools(layers=3, ps=4)
+    with pytest.raises(ValueError):
+        LayerListCopier("cpu", 2, 4 * 16, torch.float32).to_host(dev, host, torch.tensor([0]), torch.tensor([0]), 4)
+    with pytest.raises(ValueError):
+        LayerListCopier("cpu", 3, 4 * 16, torch.float32).to_host(dev, host.to(torch.bfloat16), torch.tensor([0]),
+                                                               torch.tensor([0]), 4)

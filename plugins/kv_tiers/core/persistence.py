@@ -24,12 +24,19 @@ nothing that matters. Selection starts with the first kind of pressure (`min_reu
 sightings, continuations at their first) and tightens by `pressure_factor` with the second.
 Measured on ShareGPT conversations whose next turn lands on the other instance: second-hit
 admission without pressure kept more than half of the later-reused pages out of L3.
+
+Write-all needs reuse to pay for itself: with `reuse_window` > 0 it is on only while one of the
+last `reuse_window` requests (L3 lookups) reused something (extended a cached prefix or hit L3)
+or a page was offered again. Without such a sign (at start, or a workload of one-off prompts)
+the policy is *dormant*: it selects as under pressure (a page needs `min_reuse` sightings,
+counted in memory; continuations their first), so a workload without reuse writes nothing to
+L3 and leaves no offer markers.
 """
 from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Callable
 
@@ -106,6 +113,7 @@ class PersistencePolicy:
         pressure_factor: int = 2,
         max_keys: int = 200_000,
         write_all_below_pressure: bool = False,
+        reuse_window: int = 0,
     ) -> None:
         if min_reuse < 1:
             raise ValueError(f"min_reuse must be >= 1, got {min_reuse}")
@@ -113,6 +121,8 @@ class PersistencePolicy:
             raise ValueError(f"fill_high and busy_high must be in (0, 1], got {fill_high}, {busy_high}")
         if pressure_factor < 1:
             raise ValueError(f"pressure_factor must be >= 1, got {pressure_factor}")
+        if reuse_window < 0:
+            raise ValueError(f"reuse_window must be >= 0, got {reuse_window}")
         self.min_reuse = min_reuse
         self.fill_high = fill_high
         self.busy_high = busy_high
@@ -120,6 +130,29 @@ class PersistencePolicy:
         self.write_all_below_pressure = write_all_below_pressure
         self.counter = ReuseCounter(max_keys)
         self.continuations = ReuseCounter(max_keys)
+        self.reuse_window = reuse_window
+        self._recent: deque[bool] = deque(maxlen=max(1, reuse_window))
+        self._recent_reused = 0
+        self._reuse_lock = threading.Lock()
+
+    def note_request(self, reused: bool) -> None:
+        """One request's L3 lookup: whether it reused anything (a cached prefix or an L3 hit)."""
+        with self._reuse_lock:
+            if len(self._recent) == self._recent.maxlen and self._recent[0]:
+                self._recent_reused -= 1
+            self._recent.append(reused)
+            self._recent_reused += int(reused)
+
+    def reuse_seen(self) -> bool:
+        """Whether one of the last `reuse_window` events showed reuse (always, with the window off)."""
+        if self.reuse_window == 0:
+            return True
+        with self._reuse_lock:
+            return self._recent_reused > 0
+
+    def dormant(self) -> bool:
+        """Write-all mode waiting for a sign of reuse: selection applies even without pressure."""
+        return self.write_all_below_pressure and not self.reuse_seen()
 
     def pressure(self, fill: float, busy: float) -> int:
         """Kinds of pressure present: 0, 1 (capacity or bandwidth) or 2 (both)."""
@@ -130,7 +163,7 @@ class PersistencePolicy:
         level = self.pressure(fill, busy)
         if self.write_all_below_pressure:
             if level == 0:
-                return 1
+                return 1 if self.reuse_seen() else self.min_reuse
             level -= 1
         return self.min_reuse * self.pressure_factor**level
 
@@ -162,11 +195,15 @@ class PersistencePolicy:
         t = self.threshold(fill, busy)
         t_cont = max(1, t // self.min_reuse)  # the pressure factors still apply
         n = 0
+        again = False
         for k in keys:
             c = self.counter.see(k)
+            again |= c > 1
             if c < (t_cont if self.continuations.count(k) else t):
                 break
             n += 1
         for k in keys[n + 1:]:  # sightings of the pages after the cut still count
-            self.counter.see(k)
+            again |= self.counter.see(k) > 1
+        if again and self.reuse_window:
+            self.note_request(True)  # a page offered again: it came back (evicted and recomputed)
         return Admission(n, t)

@@ -22,7 +22,7 @@ page_first host layout. On a CPU "device" the same calls run synchronously (test
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Sequence
 
 import torch
 
@@ -133,3 +133,146 @@ class StagedCopier:
             _scatter(pool, layout, idx[s:s + n], buf)
             self._free[b].record(main)
         main.synchronize()
+
+
+# -- SGLang's HiCache pool shapes: per-layer device tensors, page-major host pool --------------
+
+
+def page_ids(token_indices: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Page ids of page-aligned token indices (HiCache moves whole pages: `page_size` consecutive
+    token slots starting at a multiple of `page_size`)."""
+    idx = token_indices.reshape(-1)
+    if idx.numel() % page_size:
+        raise ValueError(f"{idx.numel()} token indices are not whole pages of {page_size}")
+    first = idx[::page_size]
+    if page_size > 1 and bool((first % page_size).ne(0).any()):
+        raise ValueError("token indices are not page-aligned")
+    return torch.div(first, page_size, rounding_mode="floor")
+
+
+def runs(pages: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(offset in `pages`, first page, length) of each maximal run of consecutive page ids: one
+    DMA per run on the host side (HiCache's host allocator hands out mostly consecutive pages)."""
+    p = pages.detach().to("cpu", torch.long).tolist()
+    out: list[tuple[int, int, int]] = []
+    for i, v in enumerate(p):
+        if out and v == out[-1][1] + out[-1][2] and i == out[-1][0] + out[-1][2]:
+            o, f, n = out[-1]
+            out[-1] = (o, f, n + 1)
+        else:
+            out.append((i, v, 1))
+    return out
+
+
+def _layer_pages(layer: torch.Tensor, page_size: int) -> torch.Tensor:
+    """A device layer [token rows, ...] as [pages, page_size * row elements] (a view)."""
+    rows = layer.shape[0] - layer.shape[0] % page_size
+    return layer[:rows].reshape(rows // page_size, -1)
+
+
+class LayerListCopier:
+    """Whole pages between SGLang-shaped pools through a `StagedCopier`'s staging buffers.
+
+    Device: one tensor per layer, `[token rows, heads, dim]` (SGLang's MHA `k_buffer` / `v_buffer`
+    lists), a page = `page_size` consecutive rows of every layer. Host: `[host pages, layers,
+    page_size, heads, dim]` (HiCache's `page_first_direct` host layout), a page contiguous over
+    all layers. To host: per chunk, gather the chunk's pages of every layer into a staging buffer
+    (device memory speed), then one copy per run of consecutive host pages on the copy stream. To
+    device: one copy per host run into staging, then scatter into every layer.
+
+    `sync=False` leaves the work ordered on the caller's current stream instead of waiting for it
+    (what HiCache's controller expects: it records its own completion event on that stream)."""
+
+    def __init__(self, device: torch.device | str, layers: int, page_elems_per_layer: int, dtype: torch.dtype,
+                 chunk_pages: int = 256, num_buffers: int = 2) -> None:
+        self.layers = layers
+        self.per_layer = page_elems_per_layer
+        self.staged = StagedCopier(torch.device(device), layers * page_elems_per_layer, dtype, chunk_pages,
+                                   num_buffers)
+        self.calls = {"to_host": 0, "to_device": 0}
+
+    def _check(self, layers: Sequence[torch.Tensor], host: torch.Tensor, page_size: int) -> torch.Tensor:
+        if len(layers) != self.layers:
+            raise ValueError(f"{len(layers)} device layers, copier built for {self.layers}")
+        flat = host.reshape(host.shape[0], -1)
+        if flat.shape[1] != self.staged.page_elems or host.dtype != self.staged.dtype:
+            raise ValueError(f"host pages have {flat.shape[1]} {host.dtype} elements, copier expects "
+                             f"{self.staged.page_elems} {self.staged.dtype}")
+        if _layer_pages(layers[0], page_size).shape[1] != self.per_layer:
+            raise ValueError("device layer page size does not match the copier")
+        return flat
+
+    def to_host(self, layers: Sequence[torch.Tensor], host: torch.Tensor, device_pages: torch.Tensor,
+                host_pages: torch.Tensor, page_size: int, sync: bool = True) -> None:
+        """host page host_pages[i] = device page device_pages[i] (all layers)."""
+        flat = self._check(layers, host, page_size)
+        views = [_layer_pages(x, page_size) for x in layers]
+        dev = device_pages.to(device=layers[0].device, dtype=torch.long)
+        self.calls["to_host"] += 1
+        st = self.staged
+        L, e = self.layers, self.per_layer
+        if not st._cuda:
+            hp = host_pages.to(device=flat.device, dtype=torch.long)
+            for s in range(0, dev.numel(), st.chunk_pages):
+                idx = dev[s:s + st.chunk_pages]
+                out = torch.empty(idx.numel(), L, e, dtype=flat.dtype, device=flat.device)
+                for i, v in enumerate(views):
+                    out[:, i] = v.index_select(0, idx).to(flat.device)
+                flat.index_copy_(0, hp[s:s + st.chunk_pages], out.view(idx.numel(), -1))
+            return
+        main = torch.cuda.current_stream(st.device)
+        for k, s in enumerate(range(0, dev.numel(), st.chunk_pages)):
+            b = k % len(st._bufs)
+            n = min(st.chunk_pages, dev.numel() - s)
+            buf = st._bufs[b][:n]
+            main.wait_event(st._free[b])
+            staged = buf.view(n, L, e)
+            idx = dev[s:s + n]
+            for i, v in enumerate(views):
+                staged[:, i].copy_(v.index_select(0, idx))
+            st._ready[b].record(main)
+            with torch.cuda.stream(st._copy_stream):
+                st._copy_stream.wait_event(st._ready[b])
+                for off, first, length in runs(host_pages[s:s + n]):
+                    flat[first:first + length].copy_(buf[off:off + length], non_blocking=True)
+                st._free[b].record(st._copy_stream)
+        if sync:
+            st._copy_stream.synchronize()
+        else:
+            main.wait_stream(st._copy_stream)
+
+    def to_device(self, host: torch.Tensor, host_pages: torch.Tensor, layers: Sequence[torch.Tensor],
+                  device_pages: torch.Tensor, page_size: int, sync: bool = True) -> None:
+        """device page device_pages[i] = host page host_pages[i] (all layers)."""
+        flat = self._check(layers, host, page_size)
+        views = [_layer_pages(x, page_size) for x in layers]
+        dev = device_pages.to(device=layers[0].device, dtype=torch.long)
+        self.calls["to_device"] += 1
+        st = self.staged
+        L, e = self.layers, self.per_layer
+        if not st._cuda:
+            hp = host_pages.to(device=flat.device, dtype=torch.long)
+            for s in range(0, dev.numel(), st.chunk_pages):
+                src = flat.index_select(0, hp[s:s + st.chunk_pages]).view(-1, L, e)
+                idx = dev[s:s + st.chunk_pages]
+                for i, v in enumerate(views):
+                    v.index_copy_(0, idx, src[:, i].to(v.device))
+            return
+        main = torch.cuda.current_stream(st.device)
+        for k, s in enumerate(range(0, dev.numel(), st.chunk_pages)):
+            b = k % len(st._bufs)
+            n = min(st.chunk_pages, dev.numel() - s)
+            buf = st._bufs[b][:n]
+            with torch.cuda.stream(st._copy_stream):
+                st._copy_stream.wait_event(st._free[b])
+                for off, first, length in runs(host_pages[s:s + n]):
+                    buf[off:off + length].copy_(flat[first:first + length], non_blocking=True)
+                st._ready[b].record(st._copy_stream)
+            main.wait_event(st._ready[b])
+            staged = buf.view(n, L, e)
+            idx = dev[s:s + n]
+            for i, v in enumerate(views):
+                v.index_copy_(0, idx, staged[:, i])
+            st._free[b].record(main)
+        if sync:
+            main.synchronize()

@@ -1,0 +1,110 @@
+"""Layer: SGLang adapter of the kv_tiers plugin (hooks on HiCache's MHA host pool; imports no SGLang
+module itself, it wraps the pool's methods). The staged L1<->L2 copier on SGLang's transfer path.
+
+HiCache moves KV pages between the device pool and the host pool in
+`MHATokenToKVPoolHost.backup_from_device_all_layer` (device to host, all layers) and
+`load_to_device_per_layer` (host to device, called once per layer). On CUDA with the `direct` I/O
+backend and the `page_first_direct` host layout (a host page is contiguous over all layers) these
+run through the core `LayerListCopier`: gather the pages on the device, then one DMA per run of
+consecutive host pages (and back), double-buffered on a copy stream. The load copies every layer
+at layer 0 (as SGLang's Ascend path does) and the later per-layer calls only keep their order.
+
+Everything else (CPU and other devices, other I/O backends or layouts, draft layers, pools with
+KV scales) goes to SGLang's own code unchanged: on the CPU platform the hooks only look at the
+device type and step aside.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable
+
+import torch
+
+from kllm_plugins.plugins.kv_tiers.core.staged_copy import LayerListCopier, page_ids
+
+logger = logging.getLogger("kllm.kv_tiers")
+
+_lock = threading.Lock()
+_copiers: dict[int, LayerListCopier] = {}
+_announced: set[int] = set()
+
+
+def _enabled() -> tuple[bool, int]:
+    from kllm_plugins import runtime
+
+    if runtime.is_enabled("kv_tiers"):
+        cfg = runtime.config_of("kv_tiers")
+        return bool(cfg.staged_copier), int(cfg.staged_copier_chunk_pages)
+    return False, 0
+
+
+def eligible(pool: Any, io_backend: str, device_type: str | None = None) -> bool:
+    """Whether this pool's transfer can take the staged copier: a CUDA device pool, the `direct` I/O
+    backend, the `page_first_direct` host layout, no draft layers, K and V of the same width, and
+    the plain MHA pool (subclasses with KV scales or other packings keep their own code)."""
+    try:
+        dev = device_type or pool.device_k_buffers[0].device.type
+        return (type(pool).__name__ == "MHATokenToKVPoolHost" and dev == "cuda" and io_backend == "direct" and pool.layout == "page_first_direct"
+                and pool.layer_num == pool.target_layer_num and pool.page_size > 1
+                and pool.head_dim == pool.v_head_dim)
+    except (AttributeError, IndexError):
+        return False
+
+
+def copier_for(pool: Any, chunk_pages: int) -> LayerListCopier:
+    """One copier (staging buffers) per host pool."""
+    key = id(pool)
+    with _lock:
+        cp = _copiers.get(key)
+        if cp is None:
+            first = pool.device_k_buffers[0]
+            per_layer = pool.page_size * first[0].numel()
+            cp = LayerListCopier(first.device, len(pool.device_k_buffers), per_layer, first.dtype,
+                                 chunk_pages=chunk_pages)
+            _copiers[key] = cp
+        if key not in _announced:
+            _announced.add(key)
+            logger.info("kv_tiers: staged L1<->L2 copier on HiCache's host pool (%d layers, %d-token pages, "
+                        "%d-page chunks)", len(pool.device_k_buffers), pool.page_size, chunk_pages)
+        return cp
+
+
+def backup(pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, chunk_pages: int,
+           sync: bool = False) -> None:
+    """Device to host, all layers, K and V: what `backup_from_device_all_layer` does."""
+    cp = copier_for(pool, chunk_pages)
+    hp, dp = page_ids(host_indices, pool.page_size), page_ids(device_indices, pool.page_size)
+    cp.to_host(pool.device_k_buffers, pool.k_buffer, dp, hp, pool.page_size, sync=sync)
+    cp.to_host(pool.device_v_buffers, pool.v_buffer, dp, hp, pool.page_size, sync=sync)
+
+
+def load(pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, chunk_pages: int,
+         sync: bool = False) -> None:
+    """Host to device, all layers, K and V (done at the first layer's call)."""
+    cp = copier_for(pool, chunk_pages)
+    hp, dp = page_ids(host_indices, pool.page_size), page_ids(device_indices, pool.page_size)
+    cp.to_device(pool.k_buffer, hp, pool.device_k_buffers, dp, pool.page_size, sync=sync)
+    cp.to_device(pool.v_buffer, hp, pool.device_v_buffers, dp, pool.page_size, sync=sync)
+
+
+def around_backup_from_device_all_layer(original: Callable[..., Any], self: Any, device_pool: Any,
+                                        host_indices: torch.Tensor, device_indices: torch.Tensor, io_backend: str,
+                                        *args: Any, **kwargs: Any) -> Any:
+    on, chunk = _enabled()
+    if not on or args or kwargs or not eligible(self, io_backend):
+        return original(self, device_pool, host_indices, device_indices, io_backend, *args, **kwargs)
+    backup(self, host_indices, device_indices, chunk)
+    return None
+
+
+def around_load_to_device_per_layer(original: Callable[..., Any], self: Any, device_pool: Any,
+                                    host_indices: torch.Tensor, device_indices: torch.Tensor, layer_id: int,
+                                    io_backend: str, *args: Any, is_draft: bool = False, **kwargs: Any) -> Any:
+    on, chunk = _enabled()
+    if not on or args or kwargs or is_draft or not eligible(self, io_backend):
+        return original(self, device_pool, host_indices, device_indices, layer_id, io_backend, *args,
+                        is_draft=is_draft, **kwargs)
+    if layer_id == 0:
+        load(self, host_indices, device_indices, chunk)
+    return None

@@ -1,0 +1,68 @@
+"""kv_tiers' staged copier as wired into SGLang's HiCache transfer (plugins/kv_tiers/sglang_copier.py)
+on CUDA, on the buffers SGLang's MHA pools build (no SGLang on the GPU machine): device K/V as one
+[rows, heads, dim] tensor per layer, the host pool pinned [2, pages, layers, page_size, heads, dim]
+(page_first_direct). The hooks' backup / load run on a side stream without waiting (as HiCache's
+write and load streams do); the data must be exact once that stream is synchronized."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kllm_plugins.plugins.kv_tiers import sglang_copier as sc
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+class MHATokenToKVPoolHost:  # SGLang's plain MHA host pool as far as the hooks read it
+    def __init__(self, layers: int, dev_pages: int, host_pages: int, ps: int, heads: int, dim: int,
+                 pinned: bool) -> None:
+        dev = torch.device("cuda")
+        self.layout, self.page_size = "page_first_direct", ps
+        self.layer_num = self.target_layer_num = layers
+        self.head_dim = self.v_head_dim = dim
+        self.device_k_buffers = tuple(torch.randn(dev_pages * ps + ps, heads, dim, device=dev).to(torch.bfloat16)
+                                      for _ in range(layers))
+        self.device_v_buffers = tuple(torch.randn(dev_pages * ps + ps, heads, dim, device=dev).to(torch.bfloat16)
+                                      for _ in range(layers))
+        self.kv_buffer = torch.zeros(2, host_pages, layers, ps, heads, dim, dtype=torch.bfloat16, pin_memory=pinned)
+
+    @property
+    def k_buffer(self) -> torch.Tensor:
+        return self.kv_buffer[0]
+
+    @property
+    def v_buffer(self) -> torch.Tensor:
+        return self.kv_buffer[1]
+
+
+def _tokens(pages: torch.Tensor, ps: int) -> torch.Tensor:
+    return (pages[:, None] * ps + torch.arange(ps)).reshape(-1)
+
+
+@pytest.mark.parametrize("pinned", [True, False])
+def test_hooked_transfer_is_exact_on_cuda_with_sglang_buffers(pinned: bool) -> None:
+    layers, dev_pages, host_pages, ps, heads, dim, n = 8, 3000, 4000, 16, 8, 128, 2500
+    pool = MHATokenToKVPoolHost(layers, dev_pages, host_pages, ps, heads, dim, pinned)
+    assert sc.eligible(pool, "direct")
+    dp = torch.randperm(dev_pages)[:n]
+    # host pages: long runs with gaps, as HiCache's allocator hands them out
+    hp = torch.cat([torch.arange(0, 1000), torch.arange(1500, 2400), torch.arange(3000, 3600)])[:n]
+    hi, di = _tokens(hp, ps), _tokens(dp, ps).cuda()
+    sc._copiers.clear()
+    side = torch.cuda.Stream()
+    for _ in range(2):  # staging buffers reused across calls
+        with torch.cuda.stream(side):
+            sc.backup(pool, hi, di, chunk_pages=333)
+        side.synchronize()
+        for part, bufs in ((0, pool.device_k_buffers), (1, pool.device_v_buffers)):
+            want = torch.stack([b[di].view(n, ps, heads, dim) for b in bufs], dim=1).cpu()
+            assert torch.equal(pool.kv_buffer[part][hp], want)
+        pool.kv_buffer[:, hp] = torch.randn(2, n, layers, ps, heads, dim).to(torch.bfloat16)
+        target = torch.randperm(dev_pages)[:n]
+        ti = _tokens(target, ps).cuda()
+        with torch.cuda.stream(side):
+            sc.load(pool, hi, ti, chunk_pages=333)
+        side.synchronize()
+        for part, bufs in ((0, pool.device_k_buffers), (1, pool.device_v_buffers)):
+            got = torch.stack([b[ti].view(n, ps, heads, dim) for b in bufs], dim=1).cpu()
+            assert torch.equal(got, pool.kv_buffer[part][hp])

@@ -1,0 +1,124 @@
+"""kv_tiers' staged copier on SGLang's HiCache transfer path (plugins/kv_tiers/sglang_copier.py),
+on the CPU: the hooks leave the CPU platform's own transfer alone, take CUDA-eligible pools only,
+and, when taken, move the same bytes SGLang's `direct` page_first_direct transfer moves. The real
+thing on CUDA: tests/gpu/test_kv_tiers_copier_sglang_gpu.py."""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from kllm_plugins.plugins.kv_tiers import sglang_copier as sc
+
+pytestmark = pytest.mark.sglang
+
+PS, LAYERS, HEADS, DIM = 4, 3, 2, 8
+
+
+class MHATokenToKVPoolHost:  # the hooks take SGLang's plain MHA host pool only (matched by class name)
+    """SGLang's MHA host pool as far as the hooks read it, with its buffers' shapes."""
+
+    def __init__(self, dev_pages: int = 20, host_pages: int = 24) -> None:
+        g = torch.Generator().manual_seed(5)
+        self.layout, self.page_size = "page_first_direct", PS
+        self.layer_num = self.target_layer_num = LAYERS
+        self.head_dim = self.v_head_dim = DIM
+        self.device_k_buffers = tuple(torch.randn(dev_pages * PS + PS, HEADS, DIM, generator=g) for _ in range(LAYERS))
+        self.device_v_buffers = tuple(torch.randn(dev_pages * PS + PS, HEADS, DIM, generator=g) for _ in range(LAYERS))
+        self.kv_buffer = torch.zeros(2, host_pages, LAYERS, PS, HEADS, DIM)
+
+    @property
+    def k_buffer(self) -> torch.Tensor:
+        return self.kv_buffer[0]
+
+    @property
+    def v_buffer(self) -> torch.Tensor:
+        return self.kv_buffer[1]
+
+
+def _tokens(pages: list[int]) -> torch.Tensor:
+    return torch.tensor([p * PS + i for p in pages for i in range(PS)])
+
+
+class _Original:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return "sglang"
+
+
+def test_hooks_read_only_what_sglang_pool_has() -> None:
+    from sglang.srt.mem_cache.pool_host import base, mha
+
+    src = inspect.getsource(mha.MHATokenToKVPoolHost)
+    for attr in ("self.device_k_buffers =", "self.device_v_buffers =", "self.target_layer_num =",
+                 "self.layer_num =", "self.head_dim =", "self.v_head_dim =", "def k_buffer", "def v_buffer"):
+        assert attr in src, attr
+    base_src = inspect.getsource(base.HostKVCache)
+    assert "self.layout =" in base_src and "self.page_size =" in base_src
+    # page_first_direct host buffers are [2, pages, layers, page_size, heads, dim]: a page is contiguous
+    assert '"page_first_direct"' in src and "self.page_num,\n                self.layer_num,\n                self.page_size," in src
+    sig = inspect.signature(mha.MHATokenToKVPoolHost.load_to_device_per_layer)
+    assert list(sig.parameters)[:6] == ["self", "device_pool", "host_indices", "device_indices", "layer_id",
+                                        "io_backend"]
+    sig = inspect.signature(mha.MHATokenToKVPoolHost.backup_from_device_all_layer)
+    assert list(sig.parameters) == ["self", "device_pool", "host_indices", "device_indices", "io_backend"]
+
+
+def test_cpu_pools_keep_sglang_transfer(monkeypatch) -> None:
+    monkeypatch.setattr(sc, "_enabled", lambda: (True, 8))
+    pool, orig = MHATokenToKVPoolHost(), _Original()
+    assert not sc.eligible(pool, "direct")  # CPU tensors: the platform's own path
+    assert sc.around_backup_from_device_all_layer(orig, pool, None, _tokens([1]), _tokens([2]), "direct") == "sglang"
+    assert sc.around_load_to_device_per_layer(orig, pool, None, _tokens([1]), _tokens([2]), 0, "direct") == "sglang"
+    assert orig.calls == 2 and not pool.kv_buffer.any()
+    # what a CUDA pool would take, and what it would not
+    assert sc.eligible(pool, "direct", device_type="cuda")
+    assert not sc.eligible(pool, "kernel", device_type="cuda")
+    pool.layout = "layer_first"
+    assert not sc.eligible(pool, "direct", device_type="cuda")
+    pool.layout, pool.layer_num = "page_first_direct", LAYERS + 1  # draft layers
+    assert not sc.eligible(pool, "direct", device_type="cuda")
+
+
+def test_disabled_copier_keeps_sglang_transfer(monkeypatch) -> None:
+    monkeypatch.setattr(sc, "_enabled", lambda: (False, 8))
+    monkeypatch.setattr(sc, "eligible", lambda pool, io, device_type=None: True)
+    pool, orig = MHATokenToKVPoolHost(), _Original()
+    assert sc.around_backup_from_device_all_layer(orig, pool, None, _tokens([1]), _tokens([2]), "direct") == "sglang"
+    assert orig.calls == 1
+
+
+def test_taken_hooks_move_what_sglang_direct_transfer_moves(monkeypatch) -> None:
+    """Eligibility forced on CPU tensors: the hooks run the copier (its synchronous CPU path) and
+    the host pool ends up as SGLang's page_first_direct transfer (the CPU platform's torch op)
+    leaves it; the load brings every layer back at layer 0 and ignores the later layers' calls."""
+    from kllm_plugins.hardware.cpu.kv_direct_copy import transfer_kv_all_layer_direct_lf_pf
+
+    monkeypatch.setattr(sc, "_enabled", lambda: (True, 2))
+    monkeypatch.setattr(sc, "eligible", lambda pool, io, device_type=None: io == "direct")
+    pool, ref, orig = MHATokenToKVPoolHost(), MHATokenToKVPoolHost(), _Original()
+    dev_pages, host_pages = [7, 2, 3, 11, 19], [0, 1, 2, 9, 23]
+    di, hi = _tokens(dev_pages), _tokens(host_pages)
+    sc._copiers.clear()
+    assert sc.around_backup_from_device_all_layer(orig, pool, None, hi, di, "direct") is None
+    transfer_kv_all_layer_direct_lf_pf(ref.device_k_buffers + ref.device_v_buffers, [ref.k_buffer, ref.v_buffer],
+                                       di, hi, PS)
+    assert orig.calls == 0 and pool.kv_buffer.any()
+    assert torch.equal(pool.kv_buffer, ref.kv_buffer)
+    assert sc._copiers[id(pool)].calls["to_host"] == 2  # K and V
+    # load back into other device pages
+    target = _tokens([0, 1, 4, 5, 6])
+    for k in range(LAYERS):
+        assert sc.around_load_to_device_per_layer(orig, pool, None, hi, target, k, "direct") is None
+    assert sc._copiers[id(pool)].calls["to_device"] == 2  # once, at layer 0, for K and V
+    for layer in range(LAYERS):
+        for part, bufs in ((0, pool.device_k_buffers), (1, pool.device_v_buffers)):
+            got = bufs[layer][target].view(len(host_pages), PS, HEADS, DIM)
+            assert torch.equal(got, pool.kv_buffer[part][host_pages, layer])
+    # draft calls and other backends go to SGLang
+    assert sc.around_load_to_device_per_layer(orig, pool, None, hi, target, 0, "direct", is_draft=True) == "sglang"
+    assert sc.around_backup_from_device_all_layer(orig, pool, None, hi, di, "kernel") == "sglang"
