@@ -18,8 +18,15 @@ term per pass), `half`. A decode step costs DECODE_BASE + DECODE_ROW per running
 attention. Only ratios between policies are meant; `--check` prints the simulated ratios of the
 last recorded configuration next to the recorded ones.
 
+`--predict RUN.json` scales each variant by the recorded run of the reference variant (`ride 128`,
+the 11:35 run's config): predicted ratio = simulated(variant) / simulated(ref) x recorded(fair_sched)
+per seed and metric, over the recorded fcfs. Use it where the model's absolute numbers are off
+(its fcfs TPOT is: requests that real fcfs finishes just before a long prompt arrives are, in the
+model, a few decode steps short and stall behind it).
+
     python benchmarks/fair_sched/sim_engine.py --check
     python benchmarks/fair_sched/sim_engine.py --seeds 6
+    python benchmarks/fair_sched/sim_engine.py --capacity 3.7201 --predict benchmarks/results/fair_sched.json
 """
 from __future__ import annotations
 
@@ -111,7 +118,7 @@ def simulate(jobs: list[Any], make_policy: Callable[[], FairPolicy] | None, cm: 
             if policy.active is not None and (chunked is None or str(chunked.rid) != policy.active.rid):
                 policy.active = None
             if chunked is not None:
-                plan = policy.plan(items(), bool(running), now=t)
+                plan = policy.plan(items(), bool(running), now=t, running_reqs=len(running))
         parked = plan is not None and plan.action == "yield"
         batch: list[tuple[Req, int]] = []
         if (waiting or chunked is not None) and not (parked and plan is not None and plan.yield_to == "decode"):
@@ -193,9 +200,46 @@ VARIANTS: dict[str, Any] = {
     "ride 128, decode 0.4s": lambda: FairPolicy(params(short_extra_tokens=128, decode_every_chunks=1, decode_interval_s=0.4)),
     "ride, 0.3s, sjf cap 2": lambda: FairPolicy(params(short_extra_tokens=128, decode_every_chunks=1, decode_interval_s=0.3,
                                                         long_overtake_max=2)),
+    "ride, sjf cap 2, every chunk": lambda: FairPolicy(params(short_extra_tokens=128, long_overtake_max=2, decode_every_chunks=1)),
+    "ride, sjf cap 2, busy 8": lambda: FairPolicy(params(short_extra_tokens=128, long_overtake_max=2, busy_decode_reqs=8)),
+    "ride, sjf cap 2, busy 12": lambda: FairPolicy(params(short_extra_tokens=128, long_overtake_max=2, busy_decode_reqs=12)),
+    "ride, sjf cap 2, busy 16": lambda: FairPolicy(params(short_extra_tokens=128, long_overtake_max=2, busy_decode_reqs=16)),
+    "ride, sjf cap 2, busy 24": lambda: FairPolicy(params(short_extra_tokens=128, long_overtake_max=2, busy_decode_reqs=24)),
+    "ride, sjf cap 2, /3, busy 12": lambda: FairPolicy(params(short_extra_tokens=128, long_overtake_max=2, decode_every_chunks=3,
+                                                               busy_decode_reqs=12)),
+    "ride, sjf cap 2, /3, busy 16": lambda: FairPolicy(params(short_extra_tokens=128, long_overtake_max=2, decode_every_chunks=3,
+                                                               busy_decode_reqs=16)),
+    "ride, sjf cap 2, /4, busy 12": lambda: FairPolicy(params(short_extra_tokens=128, long_overtake_max=2, decode_every_chunks=4,
+                                                               busy_decode_reqs=12)),
 }
 
 METRICS = ("mean", "p90", "p99", "short_p90", "long_mean", "tpot", "throughput")
+
+
+def predict(args: argparse.Namespace, cm: Costs, ref: str = "ride 128") -> None:
+    import json
+
+    with open(args.predict) as f:
+        runs = [r for r in json.load(f)["runs"] if r.get("mix", "issue") == args.mix]
+    pick = {"mean": ("ttft_s", "mean"), "p90": ("ttft_s", "p90"), "p99": ("ttft_s", "p99"),
+            "long_mean": ("ttft_long_s", "mean"), "tpot": ("tpot_s", "mean")}
+    rec = {(r["policy"], r["load"], r["seed"]): {m: r[a][b] for m, (a, b) in pick.items()} for r in runs}
+    seeds = sorted({r["seed"] for r in runs})
+    for load in (0.6, 0.85):
+        sims: dict[tuple[str, int], dict[str, float]] = {}
+        for seed in seeds:
+            jobs = make_trace(MIXES[args.mix], args.requests, load * args.capacity, seed)
+            for name, make in VARIANTS.items():
+                if make is not None:
+                    sims[(name, seed)] = simulate(jobs, make, cm)
+        print(f"load {load} ({args.ctx_model}): predicted ratio to the recorded fcfs, mean of seeds (per seed)")
+        for name in (n for n, mk in VARIANTS.items() if mk is not None):
+            cols = []
+            for m in pick:
+                pred = [sims[(name, s)][m] / sims[(ref, s)][m] * rec[("fair_sched", load, s)][m] for s in seeds]
+                base = [rec[("fcfs", load, s)][m] for s in seeds]
+                cols.append(f"{m}={sum(pred) / sum(base):.2f}x(" + "/".join(f"{p / b:.2f}" for p, b in zip(pred, base)) + ")")
+            print(f"  {name:28s} " + " ".join(cols))
 
 
 def main() -> None:
@@ -206,8 +250,12 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--ctx-model", choices=("token", "pass", "half"), default="half")
     ap.add_argument("--check", action="store_true", help="only fcfs and the recorded fair_sched config, per seed")
+    ap.add_argument("--predict", default="", help="a recorded results json of the reference variant (see module doc)")
     args = ap.parse_args()
     cm = costs(args.ctx_model)
+    if args.predict:
+        predict(args, cm)
+        return
     variants = {k: VARIANTS[k] for k in ("fcfs", "fair 09:09 (share 0.25)")} if args.check else VARIANTS
     for load in (0.6, 0.85):
         res: dict[str, list[dict[str, float]]] = {k: [] for k in variants}

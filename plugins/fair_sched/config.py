@@ -24,13 +24,15 @@ class FairSchedConfig:
     """Fraction of the pass budget the active long request keeps when it runs."""
     one_chunk_tokens: int = 0
     """Uncached prompt tokens up to which a request counts as one-chunk; 0: one budget."""
-    decode_every_chunks: int = 2
+    decode_every_chunks: int = 3
     """While requests decode, a long prefill sits out one pass (a decode step) after this many chunks; 0: never."""
     decode_interval_s: float = 0.0
     """With > 0, a decode step also waits until the last decode is this many seconds old (0: chunk count only)."""
+    busy_decode_reqs: int = 12
+    """While at least this many requests decode, a decode step comes after every long chunk; 0: off."""
     short_extra_tokens: int = -1
     """Extra pass tokens for one-chunk requests riding along a full long chunk; -1: one budget; 0: off (they share the budget)."""
-    long_overtake_max: int = 0
+    long_overtake_max: int = 2
     """Waiting long prompts go shortest first, each overtaken by at most this many younger ones; 0: first come first served."""
     mixed_decode: bool = False
     """Running requests decode one token inside every prefill pass (SGLang's mixed chunk), so prefills never stall them."""
@@ -50,7 +52,8 @@ class FairSchedConfig:
     """Seconds between snapshots for /kllm/stats."""
 
     def __post_init__(self) -> None:
-        for name in ("budget_tokens", "base_quota_tokens", "max_quota_tokens", "one_chunk_tokens", "decode_every_chunks", "loop_min_tokens"):
+        for name in ("budget_tokens", "base_quota_tokens", "max_quota_tokens", "one_chunk_tokens", "decode_every_chunks", "loop_min_tokens",
+                     "busy_decode_reqs"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.short_extra_tokens < -1:
@@ -109,4 +112,5 @@ class FairSchedConfig:
             short_extra_tokens=budget if self.short_extra_tokens < 0 else self.short_extra_tokens,
             long_overtake_max=self.long_overtake_max,
             decode_interval_s=self.decode_interval_s,
+            busy_decode_reqs=self.busy_decode_reqs,
         )

@@ -188,14 +188,15 @@ def around_get_new_batch_prefill_raw(original: Callable[..., Any], self: Any, *a
     if not st.admit and cr is None:
         st.publish(bool(self.waiting_queue))
         return None, running_batch
-    decode_running = bool(running_batch is not None and any(not r.finished() for r in running_batch.reqs))
+    running_reqs = sum(1 for r in running_batch.reqs if not r.finished()) if running_batch is not None else 0
+    decode_running = running_reqs > 0
     mixing = bool(getattr(self, "is_mixed_chunk", False))
     # Decode rows riding along a mixed pass take one budget token each (PrefillAdder does the same).
     budget = int(self.chunked_prefill_size) - len(running_batch.reqs) if mixing and running_batch is not None else None
     # While the gate is closed nothing new is admitted, so there is nobody to yield to or reserve for.
     waiting = _items(self.waiting_queue) if st.admit else []
     now = time.monotonic()
-    plan = pol.plan(waiting, decode_running, budget, now=now) if cr is not None else PassPlan("admit")
+    plan = pol.plan(waiting, decode_running, budget, now=now, running_reqs=running_reqs) if cr is not None else PassPlan("admit")
     st.pass_budget = budget
     if plan.action == "yield":
         st.counters[f"yields_to_{plan.yield_to}"] += 1

@@ -2,6 +2,7 @@
 Req and a UnifiedRadixCache (Python TreeCore), built as in SGLang's own test kit (map §9)."""
 from __future__ import annotations
 
+import dataclasses
 import os
 from array import array
 from types import SimpleNamespace
@@ -175,6 +176,18 @@ def test_pass_planner_yields_by_detaching_the_chunked_request(env: SimpleNamespa
     out = adapter.around_get_new_batch_prefill_raw(original, sched, prefill_delayer_single_pass=None, running_batch=running_dec)
     assert out == (None, running_dec) and len(seen) == calls
     assert st.counters["yields_to_decode"] == 1
+
+    # busy_decode_reqs: the scheduler's count of unfinished running requests reaches the policy;
+    # with that many decoding, a decode step comes after a single chunk.
+    st.policy.params = dataclasses.replace(st.policy.params, busy_decode_reqs=3)
+    sched.waiting_queue = []
+    adapter.around_get_new_batch_prefill_raw(original, sched, prefill_delayer_single_pass=None, running_batch=running_dec)
+    assert len(seen) == calls + 1  # one decoding request: the long request runs
+    st.policy.record_run("long", 128)
+    busy = env.ScheduleBatch(reqs=[make_req(env, f"d{i}", 10, 4.0) for i in range(3)], batch_is_full=False)
+    out = adapter.around_get_new_batch_prefill_raw(original, sched, prefill_delayer_single_pass=None, running_batch=busy)
+    assert out == (None, busy) and len(seen) == calls + 1
+    assert st.counters["yields_to_decode"] == 2
 
 
 def test_riding_pass_keeps_the_long_chunk_whole_and_admits_the_short_beside_it(env: SimpleNamespace, adapter: Any) -> None:

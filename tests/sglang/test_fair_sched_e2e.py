@@ -72,7 +72,9 @@ def test_fair_sched_end_to_end() -> None:
         "KLLM_FAIR_SCHED_PUBLISH_INTERVAL_S": "0.1",
     }
     with sglang_server(model, plugins=["fair_sched"], extra_args=args, env=env) as fair:
-        assert fair.grep_log(r"plugins=\[fair_sched\], hooks applied 9/9")
+        # Every hook attached: fair_sched's 9 plus the platform's own (the count varies with the platform).
+        applied = fair.grep_log(r"plugins=\[fair_sched\], hooks applied (\d+)/\1\b")
+        assert applied and all(int(re.search(r"applied (\d+)/", line).group(1)) >= 9 for line in applied)
         got = {o.rid: o for o in run_jobs(fair.base_url, jobs)}
         # 1. Same tokens for every request, with the policy really in play.
         for rid, o in ref.items():

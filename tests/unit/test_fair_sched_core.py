@@ -174,10 +174,47 @@ def test_decode_interval_spaces_decode_steps_on_a_simulated_clock() -> None:
     assert pol.params.decode_spacing_chunks == 1
 
 
+def test_busy_decode_steps_come_after_every_chunk_while_many_requests_decode() -> None:
+    pol = FairPolicy(params(decode_every_chunks=3, busy_decode_reqs=8))
+    pol.start_long("L", 4000)
+    steps: list[str] = []
+    # Few requests decode: a decode step after every third chunk; many: after every chunk.
+    for running in [2, 2, 2, 2, 2, 2, 2, 2, 9, 9, 9, 9, 20, 20, 1, 1, 1, 1]:
+        plan = pol.plan([], decode_running=running > 0, running_reqs=running)
+        steps.append("d" if plan.action == "yield" else "c")
+        if plan.action == "run":
+            pol.record_run("L", 128)
+    assert "".join(steps) == "cccdcccdcdcdcdcccd"
+    assert pol.active is not None and pol.active.decode_passes == 6
+    # Without a running count (older callers) the chunk count alone decides.
+    other = FairPolicy(params(decode_every_chunks=3, busy_decode_reqs=8))
+    other.start_long("L", 4000)
+    other.record_run("L", 128)
+    assert other.plan([], decode_running=True).action == "run"
+    # The bound assumes the worst case: a decode step after every chunk.
+    assert params(decode_every_chunks=3, busy_decode_reqs=8).decode_spacing_chunks == 1
+    ride = params(decode_every_chunks=3, short_extra_tokens=128)
+    busy = params(decode_every_chunks=3, short_extra_tokens=128, busy_decode_reqs=8)
+    # 10 running passes of 128 tokens: ceil(10 / 3) = 4 decode steps, or 10 when busy.
+    assert pass_bound(1280, busy) - pass_bound(1280, ride) == 10 - 4
+
+
+def test_busy_decode_overrides_the_clock_spacing() -> None:
+    pol = FairPolicy(params(decode_every_chunks=1, decode_interval_s=1.0, busy_decode_reqs=4))
+    pol.start_long("L", 4000)
+    pol.note_decode(0.0)
+    pol.record_run("L", 128)
+    assert pol.plan([], decode_running=True, now=0.2, running_reqs=3).action == "run"  # clock: 0.2 s < 1 s
+    pol.record_run("L", 128)
+    plan = pol.plan([], decode_running=True, now=0.4, running_reqs=4)
+    assert (plan.action, plan.yield_to) == ("yield", "decode")
+
+
 @pytest.mark.parametrize("bad", [
     dict(budget_tokens=1), dict(quota_growth=0.9), dict(max_quota_tokens=64), dict(max_yields=-1),
     dict(long_min_share=0.0), dict(long_min_share=1.5), dict(page_size=0), dict(decode_every_chunks=-1),
     dict(short_extra_tokens=-1), dict(long_overtake_max=-1), dict(decode_interval_s=-1.0),
+    dict(busy_decode_reqs=-1),
 ])
 def test_bad_params_name_the_field(bad: dict[str, object]) -> None:
     with pytest.raises(ValueError, match=next(iter(bad))):
@@ -187,7 +224,7 @@ def test_bad_params_name_the_field(bad: dict[str, object]) -> None:
 # -- properties (simulated engine, adversarial arrivals) ---------------------------------------------
 
 @st.composite
-def scenarios(draw: st.DrawFn) -> tuple[QuotaParams, list[list[tuple[str, int]]], list[bool]]:
+def scenarios(draw: st.DrawFn) -> tuple[QuotaParams, list[list[tuple[str, int]]], list[int]]:
     page = draw(st.sampled_from([1, 4, 16]))
     budget = page * draw(st.integers(2, 16))
     base = draw(st.integers(1, 3 * budget))
@@ -203,6 +240,7 @@ def scenarios(draw: st.DrawFn) -> tuple[QuotaParams, list[list[tuple[str, int]]]
         short_extra_tokens=draw(st.sampled_from([0, 0, page, budget, 2 * budget])),
         long_overtake_max=draw(st.sampled_from([0, 0, 1, 2, 3])),
         decode_interval_s=draw(st.sampled_from([0.0, 0.0, 0.5, 3.0])),
+        busy_decode_reqs=draw(st.sampled_from([0, 0, 1, 4])),
     )
     n_passes = draw(st.integers(1, 30))
     arrivals: list[list[tuple[str, int]]] = []
@@ -214,13 +252,14 @@ def scenarios(draw: st.DrawFn) -> tuple[QuotaParams, list[list[tuple[str, int]]]
             batch.append((f"r{rid}", work))
             rid += 1
         arrivals.append(batch)
-    decode = draw(st.lists(st.booleans(), min_size=1, max_size=7))
+    # How many requests decode in each pass (0: none), cycled over the passes.
+    decode = draw(st.lists(st.sampled_from([0, 0, 1, 3, 6]), min_size=1, max_size=7))
     return p, arrivals, decode
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
-def test_no_starvation_and_no_recompute(scn: tuple[QuotaParams, list[list[tuple[str, int]]], list[bool]]) -> None:
+def test_no_starvation_and_no_recompute(scn: tuple[QuotaParams, list[list[tuple[str, int]]], list[int]]) -> None:
     p, arrivals, decode = scn
     pol = FairPolicy(p)
     res = simulate(pol, arrivals, decode, max_passes=20_000)
@@ -266,7 +305,7 @@ def test_no_starvation_and_no_recompute(scn: tuple[QuotaParams, list[list[tuple[
 
 @settings(max_examples=100, deadline=None)
 @given(scenarios())
-def test_quotas_follow_configured_growth(scn: tuple[QuotaParams, list[list[tuple[str, int]]], list[bool]]) -> None:
+def test_quotas_follow_configured_growth(scn: tuple[QuotaParams, list[list[tuple[str, int]]], list[int]]) -> None:
     p, arrivals, decode = scn
     pol = FairPolicy(p)
     simulate(pol, arrivals, decode, max_passes=20_000)
@@ -298,7 +337,7 @@ def test_fair_policy_cuts_short_waits_behind_a_long_prefill() -> None:
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios(), st.floats(0.001, 0.05), st.floats(1e-5, 1e-3), st.floats(0.02, 1.0))
 def test_long_requests_finish_within_k_times_solo_latency(
-    scn: tuple[QuotaParams, list[list[tuple[str, int]]], list[bool]], base_s: float, per_token_s: float, decode_frac: float
+    scn: tuple[QuotaParams, list[list[tuple[str, int]]], list[int]], base_s: float, per_token_s: float, decode_frac: float
 ) -> None:
     """Stated bound: a long request finishes within K x the solo latency of itself and the long
     requests served before it since its arrival (the older ones still unfinished, and at most

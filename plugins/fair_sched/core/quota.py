@@ -29,6 +29,9 @@ slot therefore is not what limits fairness here.
   (a pass then costs the long chunk plus a few short-context tokens, instead of a smaller long
   chunk and one more pass at long context later); only those that do not fit there can make it
   yield (quota rules above).
+* with `busy_decode_reqs` > 0, while at least that many requests decode the decode step comes
+  after every long chunk (TPOT of many decoding requests is worth a decode step per chunk; with
+  few of them, every `decode_every_chunks`).
 * among waiting long requests, `long_overtake_max` > 0 starts the shortest first (smaller mean
   completion time), but no long request is overtaken by more than `long_overtake_max` younger
   ones; 0 keeps them first-come-first-served.
@@ -37,7 +40,8 @@ Starvation bound (`pass_bound`): once a long request of W uncached tokens is act
 pass either runs at least min(remaining, m) of its tokens (m = the full budget with
 `short_extra_tokens`, else `min_long_tokens`) or is a yield; it yields to one-chunk requests at
 most `yield_bound(W)` times and to decode at most once per `decode_every_chunks` running passes;
-so it completes within R + yield_bound(W) + ceil(R / decode_every_chunks) passes,
+so it completes within R + yield_bound(W) + ceil(R / decode_every_chunks) passes (R decode
+passes with `busy_decode_reqs`),
 R = ceil(W / m). A waiting long request is started on the first pass in which no long request is
 active, behind the older long requests and at most `long_overtake_max` younger (shorter) ones:
 `order` puts it right after the one-chunk requests that fit beside its minimum share.
@@ -79,6 +83,8 @@ class QuotaParams:
     """Waiting long requests go shortest first, each overtaken by at most this many younger ones (0: FCFS)."""
     decode_interval_s: float = 0.0
     """With > 0: a decode step comes when the last one is this old (and at least max(decode_every_chunks, 1) chunks ago)."""
+    busy_decode_reqs: int = 0
+    """While at least this many requests decode, a decode step comes after every long chunk (0: off)."""
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -107,6 +113,8 @@ class QuotaParams:
             raise ValueError(f"decode_interval_s must be >= 0, got {self.decode_interval_s}")
         if self.long_overtake_max < 0:
             raise ValueError(f"long_overtake_max must be >= 0, got {self.long_overtake_max}")
+        if self.busy_decode_reqs < 0:
+            raise ValueError(f"busy_decode_reqs must be >= 0, got {self.busy_decode_reqs}")
 
     @property
     def one_chunk_limit(self) -> int:
@@ -121,6 +129,16 @@ class QuotaParams:
     @property
     def decode_spacing_chunks(self) -> int:
         """Fewest long chunks between two decode steps (0: no decode steps)."""
+        if self.busy_decode_reqs:
+            return 1
+        if self.decode_interval_s > 0:
+            return max(self.decode_every_chunks, 1)
+        return self.decode_every_chunks
+
+    def spacing_for(self, running_reqs: int | None) -> int:
+        """Decode-step spacing in long chunks with `running_reqs` requests decoding (None: unknown)."""
+        if self.busy_decode_reqs and running_reqs is not None and running_reqs >= self.busy_decode_reqs:
+            return 1
         if self.decode_interval_s > 0:
             return max(self.decode_every_chunks, 1)
         return self.decode_every_chunks
@@ -317,21 +335,24 @@ class FairPolicy:
         """A pass decoded the running requests at clock `now` (seconds)."""
         self.last_decode_s = now
 
-    def _decode_due(self, a: LongState, now: float | None) -> bool:
+    def _decode_due(self, a: LongState, now: float | None, running_reqs: int | None) -> bool:
         p = self.params
-        spacing = p.decode_spacing_chunks
+        spacing = p.spacing_for(running_reqs)
         if not spacing or a.chunks_since_decode < spacing:
             return False
-        if p.decode_interval_s > 0 and now is not None:
+        busy = bool(p.busy_decode_reqs) and running_reqs is not None and running_reqs >= p.busy_decode_reqs
+        if p.decode_interval_s > 0 and now is not None and not busy:
             return now - self.last_decode_s >= p.decode_interval_s
         return True
 
     def plan(self, waiting: Sequence[WaitingItem], decode_running: bool, budget: int | None = None,
-             now: float | None = None) -> PassPlan:
+             now: float | None = None, running_reqs: int | None = None) -> PassPlan:
         """Decide this pass for the active long request (if any). A yield is committed here.
         `budget`: this pass's budget when smaller than `budget_tokens` (decode rows riding along
-        take part of it); `now`: the clock in seconds (for `decode_interval_s`); a yield pass gets the whole `budget_tokens` (the adapter does not mix
-        decode rows into it), so a blocked one-chunk request fits there."""
+        take part of it); `now`: the clock in seconds (for `decode_interval_s`); `running_reqs`:
+        how many requests decode (for `busy_decode_reqs`); a yield pass gets the whole
+        `budget_tokens` (the adapter does not mix decode rows into it), so a blocked one-chunk
+        request fits there."""
         a = self.active
         if a is None:
             return PassPlan("admit")
@@ -350,7 +371,7 @@ class FairPolicy:
             reserved += charge
             fitted += 1
         blocked = fitted < len(shorts)
-        if decode_running and self._decode_due(a, now):
+        if decode_running and self._decode_due(a, now, running_reqs):
             # Decode steps do not wait for the whole long prefill; this costs the long request
             # at most one decode step per `decode_spacing_chunks` chunks (fewer with
             # `decode_interval_s`: only when the running requests' last token is that old)

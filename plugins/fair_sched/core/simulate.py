@@ -49,12 +49,12 @@ class SimResult:
 def simulate(
     policy: FairPolicy,
     arrivals: Sequence[Sequence[tuple[str, int]]],
-    decode_running: Sequence[bool],
+    decode_running: Sequence[int],
     max_passes: int = 100_000,
     cost: Callable[[int, bool], float] | None = None,
 ) -> SimResult:
     """Run until every request is prefilled. `arrivals[k]` arrive before pass k;
-    `decode_running[k % len]` says whether decode work waits in pass k. `cost(prefilled_tokens,
+    `decode_running[k % len]` is how many requests decode in pass k (a bool: some or none). `cost(prefilled_tokens,
     decode)` is the duration of a pass (a decode step when decode is True and nothing was
     prefilled; decode requests also ride along any prefill pass)."""
     p = policy.params
@@ -76,8 +76,9 @@ def simulate(
         elif not waiting and policy.active is None:
             break
         items = [WaitingItem(r, reqs[r].work_tokens - reqs[r].computed_tokens, seq[r]) for r in waiting]
-        decode = bool(decode_running[k % len(decode_running)]) if decode_running else False
-        plan = policy.plan(items, decode, now=now)
+        running = int(decode_running[k % len(decode_running)]) if decode_running else 0
+        decode = running > 0
+        plan = policy.plan(items, decode, now=now, running_reqs=running)
         budget = p.budget_tokens
         used = 0
         active = policy.active
