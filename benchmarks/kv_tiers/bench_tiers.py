@@ -19,18 +19,24 @@ prefixes; the same picks in every setup), so about half of a conversation's turn
 other server: there only a shared L3 can serve its prefix. Traces: synthetic (trace_gen, Mooncake
 format), ShareGPT-derived (sharegpt_trace, real multi-turn conversations) and a no-reuse control.
 
-Measured per setup and trace:
+Measured per setup and trace, per repeat (medians over repeats with [min, max]):
 - hit rate per tier from SGLang's per-request breakdown (`cached_tokens_details`: device = L1,
-  host = L2, storage = L3), at load step 1 (deterministic: one request in flight per server);
-- TTFT mean/P50/P99 at load step 1 (streaming, first chunk): median over repeats, and per repeat;
-- throughput at the TTFT SLO, by a closed-loop load ladder: `--concurrency` requests in flight
-  per server (e.g. 1, 2, 4); at each step the completed requests per second and the TTFT P90;
-  the throughput at SLO is the highest step throughput whose TTFT P90 is within the SLO (0 if
-  none). A closed loop cannot overload the servers (no queue blow-up that makes an open-loop
-  rate sweep on 2 shared cores flip between runs), and the step throughput is what the servers
-  actually sustained. Median over repeats, and per repeat.
+  host = L2, storage = L3) and TTFT mean/P50/P99, with one request in flight per server (the
+  "serial" cell: deterministic hits);
+- under load, an open-loop arrival schedule per rate in `--rates` (total req/s over both servers;
+  Poisson, seeded, identical for every setup): TTFT P50/P90 and throughput = completed requests /
+  (last completion - first arrival). Throughput at the TTFT SLO: the highest rate step's throughput
+  whose TTFT P90 is within the SLO (0 if none). An open loop offers every setup the same work at the
+  same instants, so a setup cannot look faster by being sent less; the closed-loop ladder used
+  before let one slow response delay the next request of its client and moved up to 5x between
+  repeats on this shared 2-core machine.
+- the no-reuse control (`unique`) runs first in each server lifetime (after a warm-up of unique
+  requests), so kv_tiers meets it cold, as a server whose workload has no reuse.
+With `--pressure`, a second part bounds kv_tiers' L3 below what the trace writes and compares
+writing every page (`min_reuse` 1, LRU eviction) against the plugin's selection (see pressure.py).
 Prints the setups side by side with ratios, writes benchmarks/results/kv_tiers.json and appends a
-row to benchmarks/RESULTS.md.
+row to benchmarks/RESULTS.md. `--deadline-s` stops starting server lifetimes that would not finish
+in time, and every finished lifetime's cells are saved to `--partial` as they come.
 
 Stock HiCache needs kv_tiers' CPU compatibility hooks (unpinned host pool, torch direct copy) to
 run on this platform at all, so its setup loads the plugin with the policies off
@@ -40,15 +46,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import shutil
 import signal
 import statistics
 import sys
 import tempfile
-import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +60,8 @@ from kllm_plugins.testing.kv_tiers import flush, kv_tiers_stats, l3_args
 from kllm_plugins.testing.sglang_server import SGLangServer, start_all
 
 sys.path.insert(0, str(Path(__file__).parent))
-from trace_gen import generate, tokens_for  # noqa: E402
+from replay import arrivals, assign, measure, replay_open, replay_serial, spread  # noqa: E402
+from trace_gen import generate  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SPACE = 1 << 24  # block ids per token space (one space per measurement cell)
@@ -74,91 +78,15 @@ def setup_args(name: str, store: str) -> tuple[list[str], list[str], dict[str, s
     return l3_args("kllm_file"), ["kv_tiers"], env
 
 
-def stream_generate(base_url: str, ids: list[int], max_new_tokens: int) -> tuple[float, float, dict[str, Any]]:
-    body = {"input_ids": ids, "stream": True, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}}
-    req = urllib.request.Request(f"{base_url}/generate", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    t0 = time.perf_counter()
-    ttft = None
-    last: dict[str, Any] = {}
-    with urllib.request.urlopen(req, timeout=600) as r:
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            if ttft is None:
-                ttft = time.perf_counter() - t0
-            last = json.loads(line[5:])
-    return ttft or float("nan"), time.perf_counter() - t0, last.get("meta_info", {})
-
-
-def assign(n: int, servers: int, seed: int) -> list[int]:
-    """The server of each request: a seeded coin, the same for every setup and load step."""
-    rng = random.Random(seed)
-    return [rng.randrange(servers) for _ in range(n)]
-
-
-def replay(servers: list[SGLangServer], trace: list[dict[str, Any]], picks: list[int], concurrency: int,
-           offset: int) -> list[dict[str, Any]]:
-    """Closed loop: `concurrency` requests in flight per server, each server taking its requests in
-    trace order. Block ids are shifted by `offset` (the cell's token space)."""
-    queues: list[list[int]] = [[] for _ in servers]
-    for i, s in enumerate(picks):
-        queues[s].append(i)
-    results: list[dict[str, Any] | None] = [None] * len(trace)
-    lock = threading.Lock()
-
-    def worker(sidx: int) -> None:
-        while True:
-            with lock:
-                if not queues[sidx]:
-                    return
-                i = queues[sidx].pop(0)
-            r = trace[i]
-            ids = tokens_for([h + offset for h in r["hash_ids"]])
-            ttft, e2e, meta = stream_generate(servers[sidx].base_url, ids, int(r["output_length"]))
-            d = meta.get("cached_tokens_details") or {}
-            results[i] = {"ttft_s": ttft, "e2e_s": e2e, "input": len(ids), "cached": int(meta.get("cached_tokens", 0)),
-                          "l1": int(d.get("device", 0)), "l2": int(d.get("host", 0)),
-                          "l3": int(d.get("storage", 0) or 0), "server": sidx}
-
-    threads = [threading.Thread(target=worker, args=(s,)) for s in range(len(servers)) for _ in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return [x for x in results if x is not None]
-
-
-def pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
-
-
-def measure(res: list[dict[str, Any]], makespan: float, args: argparse.Namespace) -> dict[str, Any]:
-    total_in = sum(r["input"] for r in res)
-    ttfts = [r["ttft_s"] for r in res]
-    hit = {k: sum(r[k] for r in res) / total_in for k in ("l1", "l2", "l3")}
-    hit["total"] = sum(r["cached"] for r in res) / total_in
-    return {"hit_rate": hit,
-            "ttft_s": {"mean": statistics.fmean(ttfts), "p50": pct(ttfts, 0.5), "p90": pct(ttfts, args.slo_pct),
-                       "p99": pct(ttfts, 0.99)},
-            "throughput_req_s": len(res) / makespan, "requests": len(res)}
-
-
-def spread(values: list[float]) -> dict[str, Any]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "repeats": values}
-
-
-def summarize(name: str, tname: str, cells: dict[tuple[int, int], dict[str, Any]], args: argparse.Namespace,
+def summarize(name: str, tname: str, cells: dict[tuple[Any, int], dict[str, Any]], args: argparse.Namespace,
               stats: list[dict[str, Any]]) -> dict[str, Any]:
-    """cells[(concurrency, repeat)] -> measure(); the issue's fields plus per-repeat detail."""
-    ladder = args.ladder
-    reps = sorted({r for _, r in cells})
-    base = [cells[(ladder[0], r)] for r in reps]
+    """cells[(step, repeat)] -> measure(), step "serial" or a rate; the issue's fields plus detail."""
+    reps = sorted({r for st, r in cells if st == "serial"})
+    base = [cells[("serial", r)] for r in reps]
+    rates = [x for x in args.rate_list if all((x, r) in cells for r in reps)]
     at_slo = []
     for r in reps:
-        ok = [cells[(c, r)]["throughput_req_s"] for c in ladder if cells[(c, r)]["ttft_s"]["p90"] <= args.slo_s]
+        ok = [cells[(x, r)]["throughput_req_s"] for x in rates if cells[(x, r)]["ttft_s"]["p90"] <= args.slo_s]
         at_slo.append(max(ok) if ok else 0.0)
     hit = {k: statistics.median(m["hit_rate"][k] for m in base) for k in ("l1", "l2", "l3", "total")}
     ttft = {k: statistics.median(m["ttft_s"][k] for m in base) for k in ("mean", "p50", "p99")}
@@ -167,20 +95,28 @@ def summarize(name: str, tname: str, cells: dict[tuple[int, int], dict[str, Any]
         "trace": tname,
         "hit_rate": hit,
         "ttft_s": ttft,
-        "throughput_at_slo_req_s": statistics.median(at_slo),
+        "throughput_at_slo_req_s": statistics.median(at_slo) if at_slo else 0.0,
         "servers": 2,
         "requests": base[0]["requests"],
+        "repeats": len(reps),
         "slo": {"ttft_s": args.slo_s, "percentile": args.slo_pct},
         "sizes_tokens_per_server": {"l1": args.l1_tokens, "l2": 2 * args.l1_tokens if name != "l1_only" else 0,
                                     "l3": "shared folder" if name != "l1_only" else 0},
         "spread": {"ttft_mean_s": spread([m["ttft_s"]["mean"] for m in base]),
+                   "ttft_p50_s": spread([m["ttft_s"]["p50"] for m in base]),
                    "ttft_p99_s": spread([m["ttft_s"]["p99"] for m in base]),
                    "throughput_at_slo_req_s": spread(at_slo),
                    "hit_total": spread([m["hit_rate"]["total"] for m in base])},
-        "ladder": [{"concurrency_per_server": c, "repeat": r, "throughput_req_s": cells[(c, r)]["throughput_req_s"],
-                    "ttft_p90_s": cells[(c, r)]["ttft_s"]["p90"], "ttft_mean_s": cells[(c, r)]["ttft_s"]["mean"],
-                    "hit_total": cells[(c, r)]["hit_rate"]["total"]} for c in ladder for r in reps],
+        "open_loop": [{"rate_req_s": x,
+                       "throughput_req_s": spread([cells[(x, r)]["throughput_req_s"] for r in reps]),
+                       "ttft_p50_s": spread([cells[(x, r)]["ttft_s"]["p50"] for r in reps]),
+                       "ttft_p90_s": spread([cells[(x, r)]["ttft_s"]["p90"] for r in reps]),
+                       "ttft_mean_s": spread([cells[(x, r)]["ttft_s"]["mean"] for r in reps])} for x in rates],
         "kv_tiers_stats": stats,
+        # per repeat, both servers' cumulative L3 path counters after this trace's last cell (the
+        # no-reuse trace runs first after a start: its figures are the warm-up's plus its own)
+        "l3_path_after_trace": [cells[(last, r)].get("kv_tiers_after") for r in reps
+                                for last in [max((st for st, rr in cells if rr == r), key=lambda x: (x != "serial", x))]],
     }
 
 
@@ -215,87 +151,123 @@ def ideal_hit_rate(trace: list[dict[str, Any]], block: int = 16) -> float:
 
 
 def kept_stats(servers: list[SGLangServer]) -> list[dict[str, Any]]:
-    keep = ("pages_admitted", "pages_skipped", "prefetch_admitted", "prefetch_refused", "l2_loaded_tokens")
+    keep = ("pages_admitted", "pages_skipped", "prefetch_admitted", "prefetch_refused", "l2_loaded_tokens",
+            "path_s", "path_calls", "write_mode")
     out = []
     for s in servers:
         st = kv_tiers_stats(s)
-        out.append({k: v for k, v in st.items() if k in keep} | {"store_hits": st.get("store", {}).get("hits")})
+        store = st.get("store", {})
+        out.append({k: v for k, v in st.items() if k in keep}
+                   | {"store_hits": store.get("hits"), "store_put_bytes": store.get("put_bytes")})
     return out
 
 
-def lifetimes(setups: list[str], repeats: int) -> list[tuple[str, list[int]]]:
+def lifetimes(setups: list[str], repeats: int, keep_apart: tuple[str, ...] = ()) -> list[tuple[str, list[int]]]:
     """Setups in the order A B C, C B A, A B C ... (one entry per repeat), with consecutive runs of
-    one setup merged into one server lifetime: [(setup, [repeats])]."""
+    one setup merged into one server lifetime (except setups in `keep_apart`): [(setup, [repeats])]."""
     seq = [(n, rep) for rep in range(repeats) for n in (setups if rep % 2 == 0 else setups[::-1])]
     out: list[tuple[str, list[int]]] = []
     for n, rep in seq:
-        if out and out[-1][0] == n:
+        if out and out[-1][0] == n and n not in keep_apart:
             out[-1][1].append(rep)
         else:
             out.append((n, [rep]))
     return out
 
 
-def run(args: argparse.Namespace, traces: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+def save_partial(args: argparse.Namespace, cells: dict[tuple[str, str], dict[tuple[Any, int], dict[str, Any]]],
+                 stats: dict[str, list[dict[str, Any]]], extra: dict[str, Any] | None = None) -> None:
+    if not args.partial:
+        return
+    doc = {"cells": [{"setup": n, "trace": t, "step": st, "repeat": r, **m}
+                     for (n, t), cl in cells.items() for (st, r), m in cl.items()], "stats": stats, **(extra or {})}
+    Path(args.partial).write_text(json.dumps(doc, indent=1) + "\n")
+
+
+def run(args: argparse.Namespace, traces: dict[str, list[dict[str, Any]]], t_start: float
+        ) -> list[dict[str, Any]]:
     setups = args.setups.split(",")
     common = ["--page-size", "16", "--chunked-prefill-size", "512"]
-    cells: dict[tuple[str, str], dict[tuple[int, int], dict[str, Any]]] = {}
+    cells: dict[tuple[str, str], dict[tuple[Any, int], dict[str, Any]]] = {}
     stats: dict[str, list[dict[str, Any]]] = {}
     tnames = list(traces)
-    plan = lifetimes(setups, args.repeats)
+    # kv_tiers restarts for every repeat, so each repeat meets the no-reuse control right after a start
+    # (its write-all rule keeps a window of recent lookups); the other setups keep no such state
+    plan = lifetimes(setups, args.repeats, keep_apart=("kv_tiers",))
     total = sum(len(reps) for _, reps in plan)
     done = 0
+    steps: list[Any] = ["serial", *args.rate_list]
+    seen_s: list[float] = []  # wall seconds per setup-repeat so far (start included)
     for name, reps in plan:
+        per = time.perf_counter() - t_start
+        need = max(seen_s + [args.lifetime_s if not seen_s else 0.0]) * len(reps)
+        if per + need > args.deadline_s:
+            print(f"== deadline: {name} repeats {reps} not run ({per:.0f} s spent, {need:.0f} s needed)",
+                  file=sys.stderr)
+            continue
+        t_life = time.perf_counter()
         store = tempfile.mkdtemp(prefix=f"kvt-bench-{name}-")
         extra, plugins, env = setup_args(name, store)
         servers = [SGLangServer(tiny_llama_path(), plugins=plugins, extra_args=common + extra,
                                 env={**env, "KLLM_KV_TIERS_INSTANCE_ID": f"{name}-{i}"},
                                 max_total_tokens=args.l1_tokens, startup_timeout_s=400) for i in range(2)]
+        urls = [s.base_url for s in servers]
         try:
             t0 = time.perf_counter()
             start_all(servers)
-            # warm-up in token space 0 (no cell uses it): the first replay after a start is slower
-            # (allocations, first batches), and every turn of every setup starts with it
-            warm = traces[tnames[0]][: args.warmup]
-            replay(servers, warm, assign(len(warm), len(servers), args.seed), 1, 0)
+            # warm-up in token space 0 (no cell uses it): the first requests after a start are slower
+            # (allocations, first batches); taken from the first trace (the no-reuse control when it runs)
+            mine = [t for t in tnames if not t.endswith(" unique") or name in args.unique_setups.split(",")]
+            warm = traces[mine[0]][: args.warmup]
+            replay_serial(urls, warm, assign(len(warm), len(servers), args.seed), 0)
             print(f"== {name}: servers up in {time.perf_counter() - t0:.0f} s, repeats {reps}", file=sys.stderr)
             for rep in reps:
                 for k, tname in enumerate(tnames):
-                    if tname.endswith(" unique") and name not in args.unique_setups.split(","):
+                    if tname not in mine:
                         continue
                     trace = traces[tname]
                     picks = assign(len(trace), len(servers), args.seed)
-                    for j, c in enumerate(args.ladder):
+                    for j, step in enumerate(steps):
                         for s in servers:
                             flush(s.base_url)
                         time.sleep(args.settle_s)
-                        space = 1 + (rep * len(tnames) + k) * len(args.ladder) + j  # same cell, same tokens
-                        t1 = time.perf_counter()
-                        res = replay(servers, trace, picks, c, space * SPACE)
-                        makespan = time.perf_counter() - t1
-                        m = measure(res, makespan, args)
-                        cells.setdefault((name, tname), {})[(c, rep)] = m
-                        print(f"  rep {rep} {tname} c={c}: {makespan:.1f} s, hit {m['hit_rate']['total']:.3f} "
+                        space = 1 + (rep * len(tnames) + k) * len(steps) + j  # same cell, same tokens
+                        if step == "serial":
+                            res, makespan = replay_serial(urls, trace, picks, space * SPACE)
+                        else:
+                            sched = arrivals(len(trace), float(step), args.seed + rep)
+                            res, makespan = replay_open(urls, trace, picks, sched, space * SPACE)
+                        m = measure(res, makespan, args.slo_pct)
+                        if plugins:  # this plugin's L3 path so far (cumulative per server; deltas per cell)
+                            time.sleep(0.6)  # stats snapshots are written every 0.5 s
+                            m["kv_tiers_after"] = kept_stats(servers)
+                        cells.setdefault((name, tname), {})[(step, rep)] = m
+                        print(f"  rep {rep} {tname} {step}: {makespan:.1f} s, hit {m['hit_rate']['total']:.3f} "
                               f"(l1 {m['hit_rate']['l1']:.3f} l2 {m['hit_rate']['l2']:.3f} l3 {m['hit_rate']['l3']:.3f}), "
-                              f"TTFT mean {m['ttft_s']['mean']:.3f} p90 {m['ttft_s']['p90']:.3f}, "
-                              f"{m['throughput_req_s']:.2f} req/s", file=sys.stderr, flush=True)
+                              f"TTFT mean {m['ttft_s']['mean']:.3f} p50 {m['ttft_s']['p50']:.3f} "
+                              f"p90 {m['ttft_s']['p90']:.3f}, {m['throughput_req_s']:.2f} req/s",
+                              file=sys.stderr, flush=True)
                 done += 1
-                print(f"  [{done}/{total}] setup-repeats done", file=sys.stderr, flush=True)
+                print(f"  [{done}/{total}] setup-repeats done at {time.perf_counter() - t_start:.0f} s",
+                      file=sys.stderr, flush=True)
             if plugins:
                 time.sleep(1.0)  # stats snapshots are written every 0.5 s
                 stats.setdefault(name, []).extend(kept_stats(servers))
+            seen_s.append((time.perf_counter() - t_life) / len(reps))
         finally:
             for s in servers:
                 s.stop()
             shutil.rmtree(store, ignore_errors=True)
-    return [summarize(n, t, cl, args, stats.get(n, [])) for (n, t), cl in cells.items()]
+        save_partial(args, cells, stats)
+    return [summarize(n, t, cl, args, stats.get(n, [])) for (n, t), cl in cells.items()
+            if any(st == "serial" for st, _ in cl)]
 
 
 def report(runs: list[dict[str, Any]], traces: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> None:
     print(f"two servers per setup, L1 {args.l1_tokens} tokens per server, L2 2x L1, shared L3 folder; "
-          f"{args.repeats} repeats interleaved; TTFT at 1 request in flight per server (median of repeats); "
-          f"throughput at SLO: TTFT P{int(args.slo_pct * 100)} <= {args.slo_s} s over the closed-loop ladder "
-          f"{args.ladder} per server (median of repeats, [min, max])")
+          f"{args.repeats} repeats interleaved; hit rate and TTFT at 1 request in flight per server; open-loop "
+          f"rates {args.rate_list} req/s; throughput at SLO: TTFT P{int(args.slo_pct * 100)} <= {args.slo_s} s "
+          f"(medians of repeats, [min, max])")
     for tname, trace in traces.items():
         rows = [r for r in runs if r["trace"] == tname]
         if not rows:
@@ -314,47 +286,64 @@ def report(runs: list[dict[str, Any]], traces: dict[str, list[dict[str, Any]]], 
             print(f"{r['setup']:9} {h['l1']:6.3f} {h['l2']:6.3f} {h['l3']:6.3f} {h['total']:6.3f} "
                   f"{t['mean']:6.3f} [{tm['min']:.3f},{tm['max']:.3f}] {t['p50']:6.3f} {t['p99']:6.3f} "
                   f"{r['throughput_at_slo_req_s']:6.2f} [{ts['min']:.2f},{ts['max']:.2f}] {ratio:7.3f} {vs:10.3f}")
+        for r in rows:
+            for o in r["open_loop"]:
+                bo = next((x for x in base["open_loop"] if x["rate_req_s"] == o["rate_req_s"]), None)
+                rel = (f" (x{o['ttft_p50_s']['median'] / bo['ttft_p50_s']['median']:.2f} p50, "
+                       f"x{o['throughput_req_s']['median'] / bo['throughput_req_s']['median']:.3f} req/s vs l1_only)"
+                       if bo and r is not base else "")
+                print(f"  {r['setup']:9} rate {o['rate_req_s']}: {o['throughput_req_s']['median']:.2f} "
+                      f"[{o['throughput_req_s']['min']:.2f},{o['throughput_req_s']['max']:.2f}] req/s, TTFT p50 "
+                      f"{o['ttft_p50_s']['median']:.3f} [{o['ttft_p50_s']['min']:.3f},{o['ttft_p50_s']['max']:.3f}] "
+                      f"p90 {o['ttft_p90_s']['median']:.3f} [{o['ttft_p90_s']['min']:.3f},{o['ttft_p90_s']['max']:.3f}]"
+                      + rel)
+
+
+def _row(r: dict[str, Any]) -> str:
+    sp = r["spread"]
+    ol = "; ".join(f"@{o['rate_req_s']}/s {o['throughput_req_s']['median']:.2f} req/s TTFT p50 "
+                   f"{o['ttft_p50_s']['median']:.3f} [{o['ttft_p50_s']['min']:.3f}-{o['ttft_p50_s']['max']:.3f}] p90 "
+                   f"{o['ttft_p90_s']['median']:.3f} [{o['ttft_p90_s']['min']:.3f}-{o['ttft_p90_s']['max']:.3f}]"
+                   for o in r["open_loop"])
+    return (f"{r['setup']}: hit {r['hit_rate']['total']:.3f} (l1 {r['hit_rate']['l1']:.3f}/l2 {r['hit_rate']['l2']:.3f}"
+            f"/l3 {r['hit_rate']['l3']:.3f}), TTFT mean {r['ttft_s']['mean']:.3f} "
+            f"[{sp['ttft_mean_s']['min']:.3f}-{sp['ttft_mean_s']['max']:.3f}] p50 {r['ttft_s']['p50']:.3f} "
+            f"[{sp['ttft_p50_s']['min']:.3f}-{sp['ttft_p50_s']['max']:.3f}] p99 {r['ttft_s']['p99']:.3f} s, "
+            f"{r['throughput_at_slo_req_s']:.2f} [{sp['throughput_at_slo_req_s']['min']:.2f}-"
+            f"{sp['throughput_at_slo_req_s']['max']:.2f}] req/s at SLO ({ol})")
 
 
 def record(runs: list[dict[str, Any]], traces: dict[str, list[dict[str, Any]]], args: argparse.Namespace,
-           command: str) -> None:
-    out = ROOT / "benchmarks" / "results" / "kv_tiers.json"
+           command: str, pressure: dict[str, Any] | None) -> None:
+    root = Path(args.results_root)
+    out = root / "benchmarks" / "results" / "kv_tiers.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     for r in runs:
         r["command"] = command
-    old = json.loads(out.read_text()) if out.exists() else {}
-    kept = [r for r in old.get("runs", []) if r.get("trace") not in traces and "command" in r]
-    if kept:  # a partial run (other traces): add its rows, keep the main run's
-        old["runs"] = kept + runs
-        old.setdefault("more_commands", []).append(command)
-        out.write_text(json.dumps(old, indent=1) + "\n")
     doc = {"command": command,
            "method": {"servers_per_setup": 2, "l1_tokens_per_server": args.l1_tokens, "l2": "2x L1 per server",
                       "l3": "folder shared by the setup's two servers", "repeats": args.repeats,
-                      "order": "repeat 1: A B C, repeat 2: C B A (servers restarted per turn)", "ladder_concurrency_per_server": args.ladder,
-                      "slo": f"TTFT P{int(args.slo_pct * 100)} <= {args.slo_s} s",
-                      "throughput_at_slo": "highest closed-loop step throughput whose TTFT percentile meets the SLO",
-                      "ttft_and_hit_rate": "at 1 request in flight per server, median over repeats",
+                      "order": "repeat 1: A B C, repeat 2: C B A, ... (consecutive turns of a setup share a start)",
+                      "open_loop_rates_req_s": args.rate_list, "slo": f"TTFT P{int(args.slo_pct * 100)} <= {args.slo_s} s",
+                      "throughput_at_slo": "highest open-loop rate step's completed/makespan whose TTFT percentile "
+                                           "meets the SLO; same seeded Poisson schedule for every setup",
+                      "ttft_and_hit_rate": "one request in flight per server, median over repeats",
                       "ideal_hit_rate": {t: ideal_hit_rate(tr) for t, tr in traces.items()}},
            "runs": runs}
-    if not kept:
-        out.write_text(json.dumps(doc, indent=1) + "\n")
-    cells = []
-    for tname in traces:
-        cells.append(f"[{tname}] " + "; ".join(
-            f"{r['setup']}: hit {r['hit_rate']['total']:.3f} (l1 {r['hit_rate']['l1']:.3f}/l2 {r['hit_rate']['l2']:.3f}"
-            f"/l3 {r['hit_rate']['l3']:.3f}), TTFT mean {r['ttft_s']['mean']:.3f} "
-            f"[{r['spread']['ttft_mean_s']['min']:.3f}-{r['spread']['ttft_mean_s']['max']:.3f}] "
-            f"p50 {r['ttft_s']['p50']:.3f} p99 {r['ttft_s']['p99']:.3f} s, {r['throughput_at_slo_req_s']:.2f} "
-            f"[{r['spread']['throughput_at_slo_req_s']['min']:.2f}-{r['spread']['throughput_at_slo_req_s']['max']:.2f}]"
-            f" req/s at SLO" for r in runs if r["trace"] == tname))
-    with (ROOT / "benchmarks" / "RESULTS.md").open("a") as f:
-        f.write(f"\n## kv_tiers (issue 7), CPU (2 cores, shared), tiny Llama, two servers per setup, interleaved "
-                f"repeats, {time.strftime('%Y-%m-%d %H:%M')}\n"
+    if pressure:
+        doc["pressure"] = pressure
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    cells = [f"[{t}] " + "; ".join(_row(r) for r in runs if r["trace"] == t) for t in traces]
+    if pressure:
+        cells.append("[pressure] " + pressure["summary"])
+    with (root / "benchmarks" / "RESULTS.md").open("a") as f:
+        f.write(f"\n## kv_tiers (issue 7), CPU (2 cores, quiet), tiny Llama, two servers per setup, interleaved "
+                f"repeats, open-loop load, {time.strftime('%Y-%m-%d %H:%M')}\n"
                 f"`{command}` — L1 {args.l1_tokens} tokens per server, L2 2x L1, shared L3 folder; {args.repeats} "
-                f"repeats (A B C / C B A), medians [min-max]; TTFT and hit rate at 1 request in flight per server; "
-                f"throughput at SLO = highest step of the closed-loop ladder {args.ladder} per server with TTFT "
-                f"P{int(args.slo_pct * 100)} <= {args.slo_s} s: " + " ".join(cells) + "\n")
+                f"repeats (A B C / C B A ...), medians [min-max]; hit rate and TTFT at 1 request in flight per "
+                f"server; open-loop Poisson rates {args.rate_list} req/s (same schedule for every setup), "
+                f"throughput at SLO = highest rate step's completed/makespan with TTFT P{int(args.slo_pct * 100)} "
+                f"<= {args.slo_s} s: " + " ".join(cells) + "\n")
 
 
 def plot(runs: list[dict[str, Any]], path: str) -> None:
@@ -368,7 +357,7 @@ def plot(runs: list[dict[str, Any]], path: str) -> None:
     for ax, tname in zip(axes[0], traces):
         rows = [r for r in runs if r["trace"] == tname]
         for r in rows:
-            pts = sorted((x["throughput_req_s"], x["ttft_p90_s"]) for x in r["ladder"])
+            pts = [(o["throughput_req_s"]["median"], o["ttft_p90_s"]["median"]) for o in r["open_loop"]]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=r["setup"])
         ax.axhline(rows[0]["slo"]["ttft_s"], color="grey", ls="--")
         ax.set_title(tname, fontsize=8)
@@ -382,33 +371,49 @@ def plot(runs: list[dict[str, Any]], path: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description="kv_tiers: L1 only vs stock HiCache vs kv_tiers, two servers each, "
                                              "interleaved repeats")
-    ap.add_argument("--setups", default="l1_only,hicache,kv_tiers")
-    ap.add_argument("--traces", default="synthetic,sharegpt,unique")
+    ap.add_argument("--setups", default="l1_only,kv_tiers,hicache",
+                    help="in this order A B C, then C B A, ... (kv_tiers in the middle never shares a start)")
+    ap.add_argument("--traces", default="unique,synthetic,sharegpt")
     ap.add_argument("--sessions", type=int, default=16)
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--conversations", type=int, default=12)
     ap.add_argument("--unique-setups", default="l1_only,kv_tiers", help="setups that also run the no-reuse trace")
-    ap.add_argument("--concurrency", default="1,2,4", help="closed-loop ladder: requests in flight per server")
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--rates", default="2.5,5", help="open-loop arrival rates (req/s over both servers)")
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--l1-tokens", type=int, default=1024, help="--max-total-tokens (device KV) per server")
     ap.add_argument("--slo-s", type=float, default=2.0, help="TTFT SLO")
     ap.add_argument("--slo-pct", type=float, default=0.9, help="TTFT percentile held to the SLO")
     ap.add_argument("--settle-s", type=float, default=0.5, help="pause after each flush")
     ap.add_argument("--warmup", type=int, default=8, help="requests replayed after each start, not measured")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the request-to-server coin")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the request-to-server coin and the schedules")
+    ap.add_argument("--deadline-s", type=float, default=1e9, help="start no server lifetime expected to end later")
+    ap.add_argument("--lifetime-s", type=float, default=240.0,
+                    help="expected seconds per setup-repeat until one is measured (deadline)")
+    ap.add_argument("--pressure", action="store_true", help="also run the L3-under-pressure comparison")
+    ap.add_argument("--pressure-capacity-mb", type=float, default=4.0, help="kv_tiers L3 bound per instance there")
+    ap.add_argument("--partial", default="", help="save every finished lifetime's cells here")
     ap.add_argument("--plot", default="", help="draw TTFT P90 against throughput per setup to this file")
     ap.add_argument("--no-record", action="store_true", help="do not write results files")
+    ap.add_argument("--results-root", default=str(ROOT), help="write results under this folder (smoke runs)")
     args = ap.parse_args()
-    args.ladder = [int(x) for x in args.concurrency.split(",")]
+    args.rate_list = [float(x) for x in args.rates.split(",") if x]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers on the way out
-    traces = build_traces(args)
+    t_start = time.perf_counter()
     command = "python " + " ".join([str(Path(sys.argv[0]))] + sys.argv[1:])
-    runs = run(args, traces)
+    pressure = None
+    if args.pressure:
+        from pressure import run_pressure
+
+        pressure = run_pressure(args)  # first: its figures do not depend on the main part's
+        print(pressure["summary"], flush=True)
+        save_partial(args, {}, {}, {"pressure": pressure})
+    traces = build_traces(args)
+    runs = run(args, traces, t_start)
     report(runs, traces, args)
     if args.plot:
         plot(runs, args.plot)
     if not args.no_record:
-        record(runs, traces, args, command)
+        record(runs, traces, args, command, pressure)
 
 
 if __name__ == "__main__":
