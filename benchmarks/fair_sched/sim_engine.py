@@ -26,7 +26,8 @@ model, a few decode steps short and stall behind it).
 
     python benchmarks/fair_sched/sim_engine.py --check
     python benchmarks/fair_sched/sim_engine.py --seeds 6
-    python benchmarks/fair_sched/sim_engine.py --capacity 3.7201 --predict benchmarks/results/fair_sched.json
+    git show b96567d:benchmarks/results/fair_sched.json > /tmp/fair_1135.json  # the 11:35 run
+    python benchmarks/fair_sched/sim_engine.py --capacity 3.7201 --predict /tmp/fair_1135.json
 """
 from __future__ import annotations
 
