@@ -212,6 +212,10 @@ VARIANTS: dict[str, Any] = {
                                                                busy_decode_reqs=16)),
     "ride, sjf cap 2, /4, busy 12": lambda: FairPolicy(params(short_extra_tokens=128, long_overtake_max=2, decode_every_chunks=4,
                                                                busy_decode_reqs=12)),
+    "defaults + max gap 0.3 s": lambda: FairPolicy(params(short_extra_tokens=128, long_overtake_max=2, decode_every_chunks=3,
+                                                           busy_decode_reqs=12, decode_max_gap_s=0.3)),
+    "defaults + max gap 0.5 s": lambda: FairPolicy(params(short_extra_tokens=128, long_overtake_max=2, decode_every_chunks=3,
+                                                           busy_decode_reqs=12, decode_max_gap_s=0.5)),
 }
 
 METRICS = ("mean", "p90", "p99", "short_p90", "long_mean", "tpot", "throughput")

@@ -30,6 +30,8 @@ class FairSchedConfig:
     """With > 0, a decode step also waits until the last decode is this many seconds old (0: chunk count only)."""
     busy_decode_reqs: int = 12
     """While at least this many requests decode, a decode step comes after every long chunk; 0: off."""
+    decode_max_gap_s: float = 0.0
+    """With > 0, a decode step also comes after any long chunk once the last decode is this old; 0: off."""
     short_extra_tokens: int = -1
     """Extra pass tokens for one-chunk requests riding along a full long chunk; -1: one budget; 0: off (they share the budget)."""
     long_overtake_max: int = 2
@@ -62,6 +64,8 @@ class FairSchedConfig:
             raise ValueError(f"long_overtake_max must be >= 0, got {self.long_overtake_max}")
         if not 0.0 <= self.decode_interval_s <= 60.0:
             raise ValueError(f"decode_interval_s must be in [0, 60], got {self.decode_interval_s}")
+        if not 0.0 <= self.decode_max_gap_s <= 60.0:
+            raise ValueError(f"decode_max_gap_s must be in [0, 60], got {self.decode_max_gap_s}")
         if self.budget_tokens == 1:
             raise ValueError("budget_tokens must be 0 (use SGLang's chunk size) or >= 2, got 1")
         if not self.quota_growth >= 1.0:
@@ -113,4 +117,5 @@ class FairSchedConfig:
             long_overtake_max=self.long_overtake_max,
             decode_interval_s=self.decode_interval_s,
             busy_decode_reqs=self.busy_decode_reqs,
+            decode_max_gap_s=self.decode_max_gap_s,
         )

@@ -89,6 +89,7 @@ def kllm_declare() -> PluginSpec:
             OptionSpec("decode_every_chunks", int, d.decode_every_chunks, "decode step after this many long-prefill chunks while requests decode (0: never)"),
             OptionSpec("decode_interval_s", float, d.decode_interval_s, "a decode step also waits until the last one is this old (0: chunk count only)"),
             OptionSpec("busy_decode_reqs", int, d.busy_decode_reqs, "while at least this many requests decode, a decode step after every long chunk (0: off)"),
+            OptionSpec("decode_max_gap_s", float, d.decode_max_gap_s, "a decode step after any long chunk once the last decode is this old (0: off)"),
             OptionSpec("short_extra_tokens", int, d.short_extra_tokens, "pass tokens beyond the budget for one-chunk requests riding along a full long chunk (-1: one budget, 0: off)"),
             OptionSpec("long_overtake_max", int, d.long_overtake_max, "waiting long prompts go shortest first, each overtaken at most this often (0: FCFS)"),
             OptionSpec("mixed_decode", parse_bool, d.mixed_decode, "running requests decode inside every prefill pass (SGLang's mixed chunk)"),

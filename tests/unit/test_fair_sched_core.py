@@ -210,11 +210,36 @@ def test_busy_decode_overrides_the_clock_spacing() -> None:
     assert (plan.action, plan.yield_to) == ("yield", "decode")
 
 
+def test_decode_max_gap_brings_a_decode_step_once_the_last_one_is_that_old() -> None:
+    pol = FairPolicy(params(decode_every_chunks=3, decode_max_gap_s=0.5))
+    pol.start_long("L", 6000)
+    pol.note_decode(0.0)
+    # Chunks of 0.3 s: the chunk count (3) would wait 0.9 s; the gap (0.5 s) brings the step after 2.
+    steps: list[str] = []
+    now = 0.0
+    for _ in range(9):
+        plan = pol.plan([], decode_running=True, now=now, running_reqs=2)
+        if plan.action == "yield":
+            steps.append("d")
+            now += 0.01
+        else:
+            steps.append("c")
+            pol.record_run("L", 128)
+            now += 0.3
+    assert "".join(steps) == "ccdccdccd"
+    # Never two decode steps in a row: a chunk comes first, however old the last decode is.
+    assert pol.plan([], decode_running=True, now=100.0, running_reqs=2).action == "run"
+    # Nobody decoding: no step.
+    pol.record_run("L", 128)
+    assert pol.plan([], decode_running=False, now=200.0, running_reqs=0).action == "run"
+    assert params(decode_every_chunks=3, decode_max_gap_s=0.5).decode_spacing_chunks == 1
+
+
 @pytest.mark.parametrize("bad", [
     dict(budget_tokens=1), dict(quota_growth=0.9), dict(max_quota_tokens=64), dict(max_yields=-1),
     dict(long_min_share=0.0), dict(long_min_share=1.5), dict(page_size=0), dict(decode_every_chunks=-1),
     dict(short_extra_tokens=-1), dict(long_overtake_max=-1), dict(decode_interval_s=-1.0),
-    dict(busy_decode_reqs=-1),
+    dict(busy_decode_reqs=-1), dict(decode_max_gap_s=-0.5),
 ])
 def test_bad_params_name_the_field(bad: dict[str, object]) -> None:
     with pytest.raises(ValueError, match=next(iter(bad))):
@@ -241,6 +266,7 @@ def scenarios(draw: st.DrawFn) -> tuple[QuotaParams, list[list[tuple[str, int]]]
         long_overtake_max=draw(st.sampled_from([0, 0, 1, 2, 3])),
         decode_interval_s=draw(st.sampled_from([0.0, 0.0, 0.5, 3.0])),
         busy_decode_reqs=draw(st.sampled_from([0, 0, 1, 4])),
+        decode_max_gap_s=draw(st.sampled_from([0.0, 0.0, 0.3, 2.0])),
     )
     n_passes = draw(st.integers(1, 30))
     arrivals: list[list[tuple[str, int]]] = []

@@ -101,6 +101,7 @@ def test_config_defaults_and_quota_params() -> None:
     ("loop_action", "explode"), ("max_yields", -1), ("budget_tokens", 1), ("loop_min_tokens", 1),
     ("decode_every_chunks", -2), ("publish_interval_s", 0.0), ("loop_max_retracts", -1),
     ("short_extra_tokens", -2), ("long_overtake_max", -1), ("decode_interval_s", -0.1),
+    ("busy_decode_reqs", -1), ("decode_max_gap_s", -0.1),
 ])
 def test_config_errors_name_the_field(field: str, value: Any) -> None:
     with pytest.raises(ValueError, match=field):

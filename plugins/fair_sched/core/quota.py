@@ -32,6 +32,9 @@ slot therefore is not what limits fairness here.
 * with `busy_decode_reqs` > 0, while at least that many requests decode the decode step comes
   after every long chunk (TPOT of many decoding requests is worth a decode step per chunk; with
   few of them, every `decode_every_chunks`).
+* with `decode_max_gap_s` > 0 a decode step also comes after any chunk once the last decode is
+  that old (long chunks at 6-8K context take ~0.5-0.8 s on this CPU, so "every third chunk" can
+  leave a few decoding requests waiting 2 s for a token).
 * among waiting long requests, `long_overtake_max` > 0 starts the shortest first (smaller mean
   completion time), but no long request is overtaken by more than `long_overtake_max` younger
   ones; 0 keeps them first-come-first-served.
@@ -41,7 +44,7 @@ pass either runs at least min(remaining, m) of its tokens (m = the full budget w
 `short_extra_tokens`, else `min_long_tokens`) or is a yield; it yields to one-chunk requests at
 most `yield_bound(W)` times and to decode at most once per `decode_every_chunks` running passes;
 so it completes within R + yield_bound(W) + ceil(R / decode_every_chunks) passes (R decode
-passes with `busy_decode_reqs`),
+passes with `busy_decode_reqs` or `decode_max_gap_s`),
 R = ceil(W / m). A waiting long request is started on the first pass in which no long request is
 active, behind the older long requests and at most `long_overtake_max` younger (shorter) ones:
 `order` puts it right after the one-chunk requests that fit beside its minimum share.
@@ -85,6 +88,8 @@ class QuotaParams:
     """With > 0: a decode step comes when the last one is this old (and at least max(decode_every_chunks, 1) chunks ago)."""
     busy_decode_reqs: int = 0
     """While at least this many requests decode, a decode step comes after every long chunk (0: off)."""
+    decode_max_gap_s: float = 0.0
+    """With > 0: a decode step also comes after any chunk once the last decode is this old (0: off)."""
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -115,6 +120,8 @@ class QuotaParams:
             raise ValueError(f"long_overtake_max must be >= 0, got {self.long_overtake_max}")
         if self.busy_decode_reqs < 0:
             raise ValueError(f"busy_decode_reqs must be >= 0, got {self.busy_decode_reqs}")
+        if not self.decode_max_gap_s >= 0.0:
+            raise ValueError(f"decode_max_gap_s must be >= 0, got {self.decode_max_gap_s}")
 
     @property
     def one_chunk_limit(self) -> int:
@@ -129,7 +136,7 @@ class QuotaParams:
     @property
     def decode_spacing_chunks(self) -> int:
         """Fewest long chunks between two decode steps (0: no decode steps)."""
-        if self.busy_decode_reqs:
+        if self.busy_decode_reqs or self.decode_max_gap_s > 0:
             return 1
         if self.decode_interval_s > 0:
             return max(self.decode_every_chunks, 1)
@@ -337,6 +344,9 @@ class FairPolicy:
 
     def _decode_due(self, a: LongState, now: float | None, running_reqs: int | None) -> bool:
         p = self.params
+        if p.decode_max_gap_s > 0 and now is not None and a.chunks_since_decode >= 1 \
+                and now - self.last_decode_s >= p.decode_max_gap_s:
+            return True  # the running requests' last token is that old: a step whatever the chunk count
         spacing = p.spacing_for(running_reqs)
         if not spacing or a.chunks_since_decode < spacing:
             return False
