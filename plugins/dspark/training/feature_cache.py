@@ -6,6 +6,8 @@ sequences (batched, sorted by length), keeps tokens and the captured layers' hid
 flat on the device (about 3.5 KB per token for three SmolLM2 layers in bf16), and assembles
 padded batches by indexing. `batch` returns what `pad_batch` + `LlamaTarget.full_forward` return for
 the same sequences on every real position (tested; padding positions hold zeros).
+`share` / `from_shared` hand the device tensors to other processes (torch.multiprocessing with
+spawn: CUDA IPC, no copy), so that several drafters trained side by side on one GPU read one cache.
 """
 from __future__ import annotations
 
@@ -50,6 +52,19 @@ class FeatureCache:
             lo = hi
         logger.info("feature cache: %d sequences, %d tokens, %.2f GB", len(seqs), total,
                     self.feats.numel() * self.feats.element_size() / 1e9)
+
+    def share(self) -> dict[str, object]:
+        """What another process needs to read this cache (pass it through torch.multiprocessing)."""
+        return {"tokens": self.tokens, "feats": self.feats, "lens": self.lens, "plens": self.plens,
+                "offsets": self.offsets, "lens_host": list(self.lens_host)}
+
+    @classmethod
+    def from_shared(cls, shared: dict[str, object]) -> "FeatureCache":
+        self = cls.__new__(cls)
+        for k, v in shared.items():
+            setattr(self, k, v)
+        self.num_seqs = len(self.lens_host)
+        return self
 
     def batch(self, index: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """tokens [B,T] (0-padded), prompt lengths [B], lengths [B], features [B,T,K*H] for sequences `index`."""

@@ -2,6 +2,8 @@
 
 The packaged file is truncated (a plain `json.load` fails), so conversations are decoded one at
 a time with `json.JSONDecoder.raw_decode` and the parse stops at the first incomplete one.
+`conversation_messages` turns each conversation into chat messages, so that every human turn
+(with the turns before it as context) can be a training prompt, not only the first.
 """
 from __future__ import annotations
 
@@ -9,6 +11,10 @@ import importlib.util
 import json
 from pathlib import Path
 from typing import Iterator
+
+# ShareGPT speaker -> chat role; a turn of any other speaker ends the usable conversation
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
+         "bard": "assistant", "assistant": "assistant"}
 
 DATA_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
 
@@ -63,3 +69,24 @@ def first_user_prompts(limit: int | None = None, min_chars: int = 8, path: Path 
         n += 1
         if limit is not None and n >= limit:
             return
+
+
+def conversation_messages(path: Path | None = None) -> Iterator[list[dict[str, str]]]:
+    """Every conversation as chat messages (`role` user/assistant, `content`), in file order.
+
+    Turns of unknown speakers (system prompts and the like) are dropped, consecutive turns of one
+    role are joined (ShareGPT splits long answers), and a conversation may start with an assistant
+    turn (the "split" half of a long conversation): that one is context only.
+    """
+    for conv in iter_conversations(path):
+        msgs: list[dict[str, str]] = []
+        for turn in conv.get("conversations") or []:
+            role = ROLES.get(str(turn.get("from", "")))
+            text = str(turn.get("value", "")).strip()
+            if role is None:
+                continue
+            if msgs and msgs[-1]["role"] == role:
+                msgs[-1]["content"] = (msgs[-1]["content"] + "\n\n" + text).strip()
+            else:
+                msgs.append({"role": role, "content": text})
+        yield msgs

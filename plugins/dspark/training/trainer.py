@@ -12,6 +12,9 @@ the steps a verifier would reach (every earlier step of the block/chain right): 
 confidence means in the loop, P(step k accepted | steps < k accepted).
 The learning rate follows warmup + cosine over progress = max(step / steps, elapsed / time limit),
 so a run cut by its time limit still ends annealed. AdamW is fused on CUDA.
+`evaluate` (e.g. the greedy accept length on a validation split, `walk_eval.py`) runs at the
+progress points `eval_at`, off the training clock: its history is the learning curve, and with
+`keep_best` the drafter ends with the weights of the best evaluation (early stopping).
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ import math
 import random
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -47,10 +50,14 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 50
     time_limit_s: float = 0.0
+    eval_at: tuple[float, ...] = ()
+    keep_best: bool = True
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.batch_size < 1 or self.anchors_per_seq < 1:
             raise ValueError("steps, batch_size and anchors_per_seq must be >= 1")
+        if any(not 0.0 < f <= 1.0 for f in self.eval_at) or list(self.eval_at) != sorted(self.eval_at):
+            raise ValueError("eval_at must be increasing progress fractions in (0, 1]")
 
 
 def _autocast(device: torch.device):
@@ -130,11 +137,46 @@ def drafter_step(cache: FeatureCache, shared: SharedTarget, drafter: nn.Module, 
         return block_losses(out, cfg.decay)
 
 
+class BestKeeper:
+    """Evaluations off the training clock; the weights of the best one (a copy on the device)."""
+
+    def __init__(self, drafter: nn.Module, evaluate: Callable[[nn.Module], float] | None, keep_best: bool) -> None:
+        self.drafter, self.evaluate, self.keep_best = drafter, evaluate, keep_best
+        self.curve: list[dict[str, float]] = []
+        self.best: dict[str, torch.Tensor] | None = None
+        self.best_score = -math.inf
+
+    def __call__(self, progress: float, step: int, train_seconds: float) -> float:
+        """Evaluate now; returns the seconds it took (to be taken off the training clock)."""
+        if self.evaluate is None:
+            return 0.0
+        t = time.perf_counter()
+        self.drafter.eval()
+        score = float(self.evaluate(self.drafter))
+        self.drafter.train()
+        if score > self.best_score:
+            self.best_score = score
+            if self.keep_best:
+                self.best = {k: v.detach().clone() for k, v in self.drafter.state_dict().items()}
+        spent = time.perf_counter() - t
+        self.curve.append({"progress": round(progress, 4), "step": step, "train_seconds": train_seconds,
+                           "val": score, "eval_seconds": spent})
+        logger.info("eval at %.0f%% (step %d): %.4f", 100 * progress, step, score)
+        return spent
+
+    def restore(self) -> None:
+        if self.best is not None:
+            self.drafter.load_state_dict(self.best)
+
+
 def train_drafter(target: LlamaTarget, drafter: nn.Module, seqs: Sequence[tuple[list[int], int]], cfg: TrainConfig,
-                  cache: FeatureCache | None = None) -> list[dict[str, float]]:
+                  cache: FeatureCache | None = None, evaluate: Callable[[nn.Module], float] | None = None,
+                  curve: list[dict[str, float]] | None = None) -> list[dict[str, float]]:
     """Train in place; returns the logged history. Sequences need >= gamma + 1 answer tokens.
 
     `cache` (built over exactly `seqs`) is reused when given, e.g. by several drafters of one process.
+    `evaluate` runs at `cfg.eval_at` (off the clock); its points are appended to `curve`, and with
+    `cfg.keep_best` the best-scoring weights are restored at the end.
     """
     gamma = drafter.cfg.block_size  # type: ignore[attr-defined]
     layers = list(drafter.cfg.target_layer_ids)  # type: ignore[attr-defined]
@@ -153,12 +195,17 @@ def train_drafter(target: LlamaTarget, drafter: nn.Module, seqs: Sequence[tuple[
     rng = random.Random(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
     history: list[dict[str, float]] = []
+    keeper = BestKeeper(drafter, evaluate, cfg.keep_best)
+    pending = list(cfg.eval_at)
     t0 = time.perf_counter()
     logger.info("train %s: feature cache %.1fs", drafter.cfg.kind, t0 - t_cache)  # type: ignore[attr-defined]
     drafter.train()
+    progress, step = 0.0, 0
     for step in range(cfg.steps):
         elapsed = time.perf_counter() - t0
         progress = max(step / cfg.steps, elapsed / cfg.time_limit_s if cfg.time_limit_s else 0.0)
+        while pending and progress >= pending[0] and pending[0] < 1.0:
+            t0 += keeper(pending.pop(0), step, elapsed)
         if progress >= 1.0:
             logger.info("train: time limit reached at step %d", step)
             history.append({"step": step - 1, "stopped_by_time_limit": 1.0, "seconds": elapsed})
@@ -179,6 +226,11 @@ def train_drafter(target: LlamaTarget, drafter: nn.Module, seqs: Sequence[tuple[
             history.append(rec)
             logger.info("train %s step %d ce %.3f acc@1 %.3f acc %.3f", drafter.cfg.kind, step, rec["ce"],  # type: ignore[attr-defined]
                         rec["acc_k1"], rec["acc_mean"])
+    if pending:  # the end of training (time limit or last step) is the 100% point
+        keeper(1.0, max(h["step"] for h in history) + 1 if history else step, time.perf_counter() - t0)
+    keeper.restore()
+    if curve is not None:
+        curve.extend(keeper.curve)
     drafter.eval()
     return history
 
