@@ -28,6 +28,12 @@ def test_server_attaches_every_dspark_hook_in_every_process(tiny_model_path: Pat
         sub = srv.grep_log(r"kllm-plugins .* active \(role=subprocess")
         main = srv.grep_log(r"kllm dspark: ragged verify mode=")
     assert len(sub) >= 2 and all("dspark" in line for line in sub)
-    # 2 host hooks + the 6 dspark ledger entries, all verified in each spawned process
-    assert all("hooks applied 8/8" in line for line in sub), sub
+    # the host's hooks, the CPU platform's list and every dspark ledger entry, verified in each
+    # spawned process
+    from kllm_plugins.plugins.dspark.hookimpls import kllm_declare
+    from kllm_plugins.platform_patches import platform_patches
+    from kllm_plugins.sglang_bridge import HOST_PATCHES
+
+    n = len(HOST_PATCHES) + len(platform_patches("kllm_cpu")) + len(kllm_declare().patches)
+    assert all(f"hooks applied {n}/{n}" in line for line in sub), sub
     assert main and "mode=compact" in main[0] and "verify_len=[2," in main[0]
