@@ -250,48 +250,80 @@ class EagleDrafter(nn.Module):
         Step j (1-based) at position p continues the chain anchored at a = p - j + 2 and predicts
         x[p + 2]; its input is [f_p (j = 1) or the step j-1 output at p-1 ; emb(x[p+1])]. Its keys:
         step-1 keys at positions <= a - 1 and step-i keys at position a + i - 2 (i = 2..j).
-        Returns hidden [B,gamma,T,H] (logits are taken by the caller on the masked rows only),
-        labels [B,gamma,T], mask [B,gamma,T] (anchor in [valid_from, valid_to - j] per row),
-        confidence logits [B,gamma,T].
+        Only chains anchored in [valid_from, valid_to - j] are trained, so steps 2..gamma run over
+        each row's window p in [valid_from, valid_to - 2] alone (step 1 runs over every position:
+        its keys are every chain's context); with long prompts that skips most of their cost.
+        Returns hidden [B,gamma,T,H] (logits are taken by the caller on the masked rows only;
+        zeros outside the window), labels [B,gamma,T], mask [B,gamma,T] (anchor in
+        [valid_from, valid_to - j] per row), confidence logits [B,gamma,T].
         """
         b, t = tokens.shape
         dev = tokens.device
         g = self.gamma
         pos = torch.arange(t, device=dev).expand(b, t)
         next_tok = torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)
-        feature = self.context_feature(feats)
-        keys: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in self.layers]
-        outs, labels, masks = [], [], []
         p_idx = torch.arange(t, device=dev)
-        for j in range(1, g + 1):
-            x = self.step_input(shared, feature, next_tok)
-            # mask [T, j*T]: block 1 keys s <= p-j+1; block i>=2 keys s == p-j+i
-            s = p_idx.view(1, t)
-            p = p_idx.view(t, 1)
-            parts = [s <= p - j + 1] + [s == p - j + i for i in range(2, j + 1)]
-            mask = torch.cat(parts, dim=1)
+        valid_from = valid_from.to(dev).long().clamp(0, t - 1)
+        # step 1 over every position: [B,T] queries, causal keys s <= p
+        x = self.step_input(shared, self.context_feature(feats), next_tok)
+        step1_keys: list[tuple[torch.Tensor, torch.Tensor]] = []
+        causal = p_idx.view(1, t) <= p_idx.view(t, 1)
+        for layer in self.layers:
+            h = layer.input_layernorm(x)
+            q = layer.self_attn.q(h, pos)
+            k, v = layer.self_attn.kv(h, pos)
+            step1_keys.append((k, v))
+            x = x + layer.self_attn.out(gqa_attention(q, k, v, causal))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        hidden1 = self.norm(x)
+        # steps 2..g over the window w -> p = valid_from + w (w < width), per row
+        width = max(1, min(t, int((valid_to.to(dev).long() - valid_from - 1).max().clamp_min(1))))
+        w_idx = torch.arange(width, device=dev)
+        win = (valid_from.view(b, 1) + w_idx.view(1, width)).clamp(max=t - 1)          # [B,W] absolute p
+        win_tok = next_tok.gather(1, win)
+        feature = hidden1.gather(1, (win - 1).clamp_min(0).unsqueeze(-1).expand(b, width, hidden1.shape[-1]))
+        keys: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in self.layers]
+        outs = []
+        sw = w_idx.view(1, width)
+        pw = w_idx.view(width, 1)
+        s_abs = p_idx.view(1, 1, t)
+        for j in range(2, g + 1):
+            x = self.step_input(shared, feature, win_tok)
+            # step-1 keys s <= p - j + 1 (absolute, per row); step-i keys (i >= 2) at window w - j + i
+            mask1 = s_abs <= (win - j + 1).unsqueeze(-1)
+            parts = [mask1] + [(sw == pw - j + i).expand(b, width, width) for i in range(2, j + 1)]
+            mask = torch.cat(parts, dim=-1)
             for li, layer in enumerate(self.layers):
                 h = layer.input_layernorm(x)
-                q = layer.self_attn.q(h, pos)
-                k, v = layer.self_attn.kv(h, pos)
+                q = layer.self_attn.q(h, win)
+                k, v = layer.self_attn.kv(h, win)
                 keys[li].append((k, v))
-                k_all = torch.cat([kv[0] for kv in keys[li]], dim=2)
-                v_all = torch.cat([kv[1] for kv in keys[li]], dim=2)
+                k_all = torch.cat([step1_keys[li][0]] + [kv[0] for kv in keys[li]], dim=2)
+                v_all = torch.cat([step1_keys[li][1]] + [kv[1] for kv in keys[li]], dim=2)
                 x = x + layer.self_attn.out(gqa_attention(q, k_all, v_all, mask))
                 x = x + layer.mlp(layer.post_attention_layernorm(x))
             hidden = self.norm(x)
             outs.append(hidden)
-            label_pos = (p_idx + 2).clamp(max=t - 1)
-            labels.append(tokens[:, label_pos])
-            anchor = p_idx - j + 2
-            masks.append((anchor.view(1, t) >= valid_from.view(b, 1)) & (anchor.view(1, t) + j <= valid_to.view(b, 1)))
-            # next step: feature at p is this step's output at p-1
+            # next step: feature at window w is this step's output at w-1
             feature = torch.cat([hidden[:, :1], hidden[:, :-1]], dim=1)
-        hidden_all = torch.stack(outs, dim=1)
+        hidden_all = hidden1.new_zeros(b, g, t, hidden1.shape[-1])
+        hidden_all[:, 0] = hidden1
+        if outs:
+            # window rows clamped to t - 1 are duplicates of a real row; write each position once
+            keep = (valid_from.view(b, 1) + w_idx.view(1, width)) < t
+            rows = torch.arange(b, device=dev).view(b, 1).expand(b, width)[keep]
+            cols = win[keep]
+            for j, hj in enumerate(outs, start=2):
+                hidden_all[rows, j - 1, cols] = hj[keep].to(hidden_all.dtype)
+        label_pos = (p_idx + 2).clamp(max=t - 1)
+        labels = tokens[:, label_pos].unsqueeze(1).expand(b, g, t)
+        js = torch.arange(1, g + 1, device=dev).view(1, g, 1)
+        anchor = p_idx.view(1, 1, t) - js + 2
+        mask_all = (anchor >= valid_from.view(b, 1, 1)) & (anchor + js <= valid_to.to(dev).view(b, 1, 1))
         return {
             "hidden": hidden_all,
-            "labels": torch.stack(labels, dim=1),
-            "mask": torch.stack(masks, dim=1),
+            "labels": labels,
+            "mask": mask_all,
             "confidence": self.confidence_head(hidden_all.detach()),
         }
 
