@@ -122,16 +122,29 @@ def summarize(name: str, tname: str, cells: dict[tuple[Any, int], dict[str, Any]
 
 def build_traces(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
     out: dict[str, list[dict[str, Any]]] = {}
+    # a context per conversation (`--groups` = sessions: none shared across conversations) makes
+    # recomputing a returning conversation's prefix the dominant cost, which is what tiers save
+    gen = {"groups": args.groups or args.sessions, "system_blocks": args.system_blocks,
+           "user_blocks": args.user_blocks, "answer_blocks": args.answer_blocks}
+    default_gen = {"groups": 3, "system_blocks": 8, "user_blocks": 4, "answer_blocks": 2}
+    if not args.groups and gen | {"groups": 3} == default_gen:
+        gen["groups"] = 3  # the earlier runs' shape
+    shape = "" if gen == default_gen else (f" groups={gen['groups']} blocks={args.system_blocks}"
+                                          f"+{args.user_blocks}/+{args.answer_blocks}")
+    sg = "" if (args.sg_max_tokens, args.sg_min_tokens) == (768, 0) else (
+        f" tokens {args.sg_min_tokens}-{args.sg_max_tokens}")
     for t in args.traces.split(","):
         if t == "synthetic":
-            out[f"synthetic sessions={args.sessions} turns={args.turns}"] = list(generate(args.sessions, args.turns))
+            out[f"synthetic sessions={args.sessions} turns={args.turns}{shape}"] = list(
+                generate(args.sessions, args.turns, **gen))
         elif t == "sharegpt":
             from sharegpt_trace import build
 
-            out[f"sharegpt conversations={args.conversations} turns<=3"] = build(args.conversations)
+            out[f"sharegpt conversations={args.conversations} turns<=3{sg}"] = build(
+                args.conversations, max_tokens=args.sg_max_tokens, min_tokens=args.sg_min_tokens)
         elif t == "unique":
-            out[f"synthetic sessions={args.sessions} turns={args.turns} unique"] = list(
-                generate(args.sessions, args.turns, unique=True))
+            out[f"synthetic sessions={args.sessions} turns={args.turns}{shape} unique"] = list(
+                generate(args.sessions, args.turns, unique=True, **gen))
         else:
             raise SystemExit(f"unknown trace {t!r}")
     return out
@@ -316,7 +329,7 @@ def _row(r: dict[str, Any]) -> str:
 def record(runs: list[dict[str, Any]], traces: dict[str, list[dict[str, Any]]], args: argparse.Namespace,
            command: str, pressure: dict[str, Any] | None) -> None:
     root = Path(args.results_root)
-    out = root / "benchmarks" / "results" / "kv_tiers.json"
+    out = root / "benchmarks" / "results" / f"{args.results_name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     for r in runs:
         r["command"] = command
@@ -377,6 +390,16 @@ def main() -> None:
     ap.add_argument("--sessions", type=int, default=16)
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--conversations", type=int, default=12)
+    ap.add_argument("--groups", type=int, default=0,
+                    help="synthetic: conversations sharing a system context (0: 3 for the default shape, "
+                         "else one context per session)")
+    ap.add_argument("--system-blocks", type=int, default=8, help="synthetic: context blocks (16 tokens each)")
+    ap.add_argument("--user-blocks", type=int, default=4, help="synthetic: new user blocks per turn")
+    ap.add_argument("--answer-blocks", type=int, default=2, help="synthetic: answer blocks kept in the history")
+    ap.add_argument("--sg-max-tokens", type=int, default=768, help="ShareGPT: longest history kept (tokens)")
+    ap.add_argument("--sg-min-tokens", type=int, default=0,
+                    help="ShareGPT: keep conversations whose last kept turn is at least this long")
+    ap.add_argument("--results-name", default="kv_tiers", help="benchmarks/results/<name>.json")
     ap.add_argument("--unique-setups", default="l1_only,kv_tiers", help="setups that also run the no-reuse trace")
     ap.add_argument("--rates", default="2.5,5", help="open-loop arrival rates (req/s over both servers)")
     ap.add_argument("--repeats", type=int, default=3)

@@ -39,7 +39,7 @@ def iter_conversations(limit: int | None = None) -> Iterator[dict[str, Any]]:
 
 
 def build(conversations: int = 12, min_turns: int = 3, max_turns: int = 3, max_tokens: int = 768,
-          block_size: int = 16, output_length: int = 4, interval_ms: int = 500,
+          min_tokens: int = 0, block_size: int = 16, output_length: int = 4, interval_ms: int = 500,
           tokenizer_path: str | None = None) -> list[dict[str, Any]]:
     from transformers import AutoTokenizer
 
@@ -73,7 +73,7 @@ def build(conversations: int = 12, min_turns: int = 3, max_turns: int = 3, max_t
                 break
             turns.append(block_ids(history))
             history += tok.encode(msgs[k + 1]["value"], add_special_tokens=False)
-        if len(turns) >= min_turns:
+        if len(turns) >= min_turns and len(turns[-1]) * block_size >= min_tokens:
             sessions.append(turns)
         if len(sessions) >= conversations:
             break
