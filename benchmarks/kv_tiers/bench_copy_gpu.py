@@ -53,6 +53,9 @@ def main() -> None:
                     help="also the path hooked into HiCache: SGLang's per-layer device tensors <-> page_first_direct "
                          "host pool (LayerListCopier), against a copy per page and layer")
     ap.add_argument("--page-tokens", type=int, default=16, help="tokens per page (SGLang layout)")
+    ap.add_argument("--hooked-chunks", default="32,64,256", help="chunk sizes (pages) of the hooked path")
+    ap.add_argument("--only-sglang", action="store_true",
+                    help="skip the standalone staged rows (the limit and the per-page baseline are kept)")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     dev = torch.device(a.device)
@@ -103,7 +106,7 @@ def main() -> None:
     record("gather_then_copy", "d2h", "pinned", "page_first", timed(gather_once, dev, a.reps))
 
     # ours: staged, double-buffered
-    for chunk in [int(c) for c in a.chunks.split(",")]:
+    for chunk in ([] if a.only_sglang else [int(c) for c in a.chunks.split(",")]):
         cp = StagedCopier(dev, elems, dtype, chunk_pages=chunk, num_buffers=2)
         for layout, pool in (("page_first", pool_pf), ("layer_first", pool_lf)):
             for host, h in (("pinned", host_pinned), ("pageable", host_pageable)):
@@ -140,11 +143,20 @@ def main() -> None:
         print(f"{r['path']:<18}{r['direction']:<5}{r['host']:<10}{r['layout']:<13}{r['gbps']:>8.2f}{frac:>21.1%}")
     best = {}
     for d in ("d2h", "h2d"):
-        for layout in ("page_first", "layer_first"):
-            cands = [r for r in rows if r["path"].startswith("staged") and r["host"] == "pinned"
+        for layout, prefix in (("page_first", "staged"), ("layer_first", "staged"),
+                               ("sglang_page_first_direct", "hooked_torch"),
+                               ("sglang_page_first_direct", "hooked_triton")):
+            cands = [r for r in rows if r["path"].startswith(prefix) and r["host"] == "pinned"
                      and r["direction"] == d and r["layout"] == layout]
-            top = max(cands, key=lambda r: r["gbps"])
-            best[f"{d}_{layout}"] = {"path": top["path"], "gbps": top["gbps"], "of_limit": top["gbps"] / limit[d]}
+            if cands:
+                top = max(cands, key=lambda r: r["gbps"])
+                key = f"{d}_{layout}" if prefix == "staged" else f"{d}_{prefix}"
+                best[key] = {"path": top["path"], "gbps": top["gbps"], "of_limit": top["gbps"] / limit[d]}
+        if f"{d}_hooked_torch" in best and f"{d}_hooked_triton" in best:
+            print(f"hooked {d}: old (torch per layer) {best[f'{d}_hooked_torch']['gbps']:.2f} GB/s "
+                  f"({best[f'{d}_hooked_torch']['of_limit']:.1%}), new (triton) {best[f'{d}_hooked_triton']['gbps']:.2f} "
+                  f"GB/s ({best[f'{d}_hooked_triton']['of_limit']:.1%}), new/old "
+                  f"{best[f'{d}_hooked_triton']['gbps'] / best[f'{d}_hooked_torch']['gbps']:.3f}x")
     print("best staged (pinned):", json.dumps(best))
     ok &= ok_sg
     print("correct:", ok)
@@ -186,23 +198,30 @@ def sglang_layout(a: argparse.Namespace, dev: torch.device, dtype: torch.dtype, 
                 host[h, k].copy_(layers[k][p * ps:(p + 1) * ps], non_blocking=True)
 
     rec("per_page_layer_copy", "d2h", timed(per_page_layer_d2h, dev, 3, 1))
-    for chunk in (64, 256):
-        cp = LayerListCopier(dev, L, ps * heads * dim, dtype, chunk_pages=chunk)
-        rec(f"hooked_c{chunk}", "d2h", timed(lambda: cp.to_host(layers, host, dp, hp, ps), dev, a.reps))
-        rec(f"hooked_c{chunk}", "h2d", timed(lambda: cp.to_device(host, hp, layers, dp, ps), dev, a.reps))
-    cp = LayerListCopier(dev, L, ps * heads * dim, dtype, chunk_pages=64)
-    cp.to_host(layers, host, dp, hp, ps)
-    want = torch.stack([x[(dp[:, None] * ps + torch.arange(ps, device=dev)).reshape(-1)].view(n, ps, heads, dim)
-                        for x in layers], dim=1).cpu()
-    ok = torch.equal(host[hp], want)
-    host[hp] = torch.randn(n, L, ps, heads, dim).to(dtype)
-    target = torch.randperm(dev_pages_total, generator=g)[:n].to(dev)
-    cp.to_device(host, hp, layers, target, ps)
-    got = torch.stack([x[(target[:, None] * ps + torch.arange(ps, device=dev)).reshape(-1)].view(n, ps, heads, dim)
-                       for x in layers], dim=1).cpu()
-    ok &= torch.equal(got, host[hp])
-    print(f"sglang layout: {n} pages x {L} layers x {ps} tokens x {heads} heads x {dim} dim = "
-          f"{moved / 2**20:.0f} MiB, correct {ok}")
+    kernels = ("torch", "triton") if dev.type == "cuda" else ("torch",)
+    # old (torch: two kernels per layer and chunk) and new (triton: one launch per chunk), interleaved
+    # per chunk size so drift in the machine's state touches both alike
+    for chunk in [int(c) for c in a.hooked_chunks.split(",")]:
+        for kernel in kernels:
+            cp = LayerListCopier(dev, L, ps * heads * dim, dtype, chunk_pages=chunk, kernel=kernel)
+            rec(f"hooked_{kernel}_c{chunk}", "d2h", timed(lambda: cp.to_host(layers, host, dp, hp, ps), dev, a.reps))
+            rec(f"hooked_{kernel}_c{chunk}", "h2d", timed(lambda: cp.to_device(host, hp, layers, dp, ps), dev, a.reps))
+    ok = True
+    rows_of = (lambda pg: (pg[:, None] * ps + torch.arange(ps, device=dev)).reshape(-1))
+    for kernel in kernels:
+        cp = LayerListCopier(dev, L, ps * heads * dim, dtype, chunk_pages=64, kernel=kernel)
+        host[hp] = 0
+        cp.to_host(layers, host, dp, hp, ps)
+        want = torch.stack([x[rows_of(dp)].view(n, ps, heads, dim) for x in layers], dim=1).cpu()
+        ok_k = torch.equal(host[hp], want)
+        host[hp] = torch.randn(n, L, ps, heads, dim).to(dtype)
+        target = torch.randperm(dev_pages_total, generator=g)[:n].to(dev)
+        cp.to_device(host, hp, layers, target, ps)
+        got = torch.stack([x[rows_of(target)].view(n, ps, heads, dim) for x in layers], dim=1).cpu()
+        ok_k &= torch.equal(got, host[hp])
+        print(f"sglang layout, {kernel}: {n} pages x {L} layers x {ps} tokens x {heads} heads x {dim} dim = "
+              f"{moved / 2**20:.0f} MiB, correct {ok_k}")
+        ok &= ok_k
     return ok
 
 

@@ -22,7 +22,7 @@ page_first host layout. On a CPU "device" the same calls run synchronously (test
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Literal, Protocol, Sequence
 
 import torch
 
@@ -140,20 +140,21 @@ class StagedCopier:
 
 def page_ids(token_indices: torch.Tensor, page_size: int) -> torch.Tensor:
     """Page ids of page-aligned token indices (HiCache moves whole pages: `page_size` consecutive
-    token slots starting at a multiple of `page_size`)."""
+    token slots starting at a multiple of `page_size`). Alignment is checked on CPU indices only:
+    on a device the check would stall the caller until the device is idle."""
     idx = token_indices.reshape(-1)
     if idx.numel() % page_size:
         raise ValueError(f"{idx.numel()} token indices are not whole pages of {page_size}")
     first = idx[::page_size]
-    if page_size > 1 and bool((first % page_size).ne(0).any()):
+    if page_size > 1 and first.device.type == "cpu" and bool((first % page_size).ne(0).any()):
         raise ValueError("token indices are not page-aligned")
     return torch.div(first, page_size, rounding_mode="floor")
 
 
-def runs(pages: torch.Tensor) -> list[tuple[int, int, int]]:
+def runs(pages: torch.Tensor | Sequence[int]) -> list[tuple[int, int, int]]:
     """(offset in `pages`, first page, length) of each maximal run of consecutive page ids: one
     DMA per run on the host side (HiCache's host allocator hands out mostly consecutive pages)."""
-    p = pages.detach().to("cpu", torch.long).tolist()
+    p = pages.detach().to("cpu", torch.long).tolist() if isinstance(pages, torch.Tensor) else pages
     out: list[tuple[int, int, int]] = []
     for i, v in enumerate(p):
         if out and v == out[-1][1] + out[-1][2] and i == out[-1][0] + out[-1][2]:
@@ -170,6 +171,40 @@ def _layer_pages(layer: torch.Tensor, page_size: int) -> torch.Tensor:
     return layer[:rows].reshape(rows // page_size, -1)
 
 
+Kernel = Literal["auto", "triton", "torch"]
+
+
+class _Pages(Protocol):
+    def gather(self, idx: torch.Tensor, out: torch.Tensor) -> None: ...
+
+    def scatter(self, idx: torch.Tensor, src: torch.Tensor) -> None: ...
+
+
+class _TorchPages:
+    """The per-layer fallback: two kernels per layer and chunk (index_select, strided copy)."""
+
+    def __init__(self, views: list[torch.Tensor]) -> None:
+        self.views = views
+
+    def gather(self, idx: torch.Tensor, out: torch.Tensor) -> None:
+        staged = out.view(idx.numel(), len(self.views), -1)
+        for i, v in enumerate(self.views):
+            staged[:, i].copy_(v.index_select(0, idx))
+
+    def scatter(self, idx: torch.Tensor, src: torch.Tensor) -> None:
+        staged = src.view(idx.numel(), len(self.views), -1)
+        for i, v in enumerate(self.views):
+            v.index_copy_(0, idx, staged[:, i])
+
+
+def _triton_ok() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 class LayerListCopier:
     """Whole pages between SGLang-shaped pools through a `StagedCopier`'s staging buffers.
 
@@ -180,16 +215,27 @@ class LayerListCopier:
     (device memory speed), then one copy per run of consecutive host pages on the copy stream. To
     device: one copy per host run into staging, then scatter into every layer.
 
+    `kernel`: "triton" gathers / scatters a chunk of every layer in one launch
+    (kernels/page_gather.py, through a device table of the layers' addresses); "torch" issues two
+    kernels per layer and chunk, whose launch time (about 1 ms per chunk for 32 layers) is as long
+    as the PCIe copy it should hide behind; "auto" takes triton on CUDA when it is installed.
+
     `sync=False` leaves the work ordered on the caller's current stream instead of waiting for it
     (what HiCache's controller expects: it records its own completion event on that stream)."""
 
     def __init__(self, device: torch.device | str, layers: int, page_elems_per_layer: int, dtype: torch.dtype,
-                 chunk_pages: int = 256, num_buffers: int = 2) -> None:
+                 chunk_pages: int = 256, num_buffers: int = 2, kernel: Kernel = "auto") -> None:
+        if kernel not in ("auto", "triton", "torch"):
+            raise ValueError(f"kernel must be auto, triton or torch, got {kernel!r}")
         self.layers = layers
         self.per_layer = page_elems_per_layer
         self.staged = StagedCopier(torch.device(device), layers * page_elems_per_layer, dtype, chunk_pages,
                                    num_buffers)
+        if kernel == "auto":
+            kernel = "triton" if self.staged._cuda and _triton_ok() else "torch"
+        self.kernel = kernel
         self.calls = {"to_host": 0, "to_device": 0}
+        self._tables: dict[tuple[int, ...], _Pages] = {}
 
     def _check(self, layers: Sequence[torch.Tensor], host: torch.Tensor, page_size: int) -> torch.Tensor:
         if len(layers) != self.layers:
@@ -202,23 +248,39 @@ class LayerListCopier:
             raise ValueError("device layer page size does not match the copier")
         return flat
 
+    def _pages(self, layers: Sequence[torch.Tensor], page_size: int) -> _Pages:
+        """Gather / scatter over these layers: the triton page table is built once per layer list
+        (keyed by the layers' addresses and sizes; SGLang's pool tensors live as long as the pool)."""
+        key = (page_size, *(x.data_ptr() for x in layers), *(x.shape[0] for x in layers))
+        table = self._tables.get(key)
+        if table is None:
+            views = [_layer_pages(x, page_size) for x in layers]
+            if self.kernel == "triton" and all(v.is_contiguous() for v in views):
+                from ..kernels.page_gather import PageTable
+
+                table = PageTable(views)
+            else:  # the torch path reads strided layers as well
+                table = _TorchPages(views)
+            if len(self._tables) >= 8:  # a pool has two lists (K, V); others are transient
+                self._tables.clear()
+            self._tables[key] = table
+        return table
+
     def to_host(self, layers: Sequence[torch.Tensor], host: torch.Tensor, device_pages: torch.Tensor,
                 host_pages: torch.Tensor, page_size: int, sync: bool = True) -> None:
         """host page host_pages[i] = device page device_pages[i] (all layers)."""
         flat = self._check(layers, host, page_size)
-        views = [_layer_pages(x, page_size) for x in layers]
+        pages = self._pages(layers, page_size)
         dev = device_pages.to(device=layers[0].device, dtype=torch.long)
+        hl = host_pages.detach().to("cpu", torch.long).tolist()
         self.calls["to_host"] += 1
         st = self.staged
-        L, e = self.layers, self.per_layer
         if not st._cuda:
-            hp = host_pages.to(device=flat.device, dtype=torch.long)
             for s in range(0, dev.numel(), st.chunk_pages):
                 idx = dev[s:s + st.chunk_pages]
-                out = torch.empty(idx.numel(), L, e, dtype=flat.dtype, device=flat.device)
-                for i, v in enumerate(views):
-                    out[:, i] = v.index_select(0, idx).to(flat.device)
-                flat.index_copy_(0, hp[s:s + st.chunk_pages], out.view(idx.numel(), -1))
+                out = torch.empty(idx.numel(), st.page_elems, dtype=flat.dtype, device=flat.device)
+                pages.gather(idx, out)
+                flat.index_copy_(0, torch.tensor(hl[s:s + st.chunk_pages], dtype=torch.long), out)
             return
         main = torch.cuda.current_stream(st.device)
         for k, s in enumerate(range(0, dev.numel(), st.chunk_pages)):
@@ -226,14 +288,11 @@ class LayerListCopier:
             n = min(st.chunk_pages, dev.numel() - s)
             buf = st._bufs[b][:n]
             main.wait_event(st._free[b])
-            staged = buf.view(n, L, e)
-            idx = dev[s:s + n]
-            for i, v in enumerate(views):
-                staged[:, i].copy_(v.index_select(0, idx))
+            pages.gather(dev[s:s + n], buf)
             st._ready[b].record(main)
             with torch.cuda.stream(st._copy_stream):
                 st._copy_stream.wait_event(st._ready[b])
-                for off, first, length in runs(host_pages[s:s + n]):
+                for off, first, length in runs(hl[s:s + n]):
                     flat[first:first + length].copy_(buf[off:off + length], non_blocking=True)
                 st._free[b].record(st._copy_stream)
         if sync:
@@ -245,18 +304,15 @@ class LayerListCopier:
                   device_pages: torch.Tensor, page_size: int, sync: bool = True) -> None:
         """device page device_pages[i] = host page host_pages[i] (all layers)."""
         flat = self._check(layers, host, page_size)
-        views = [_layer_pages(x, page_size) for x in layers]
+        pages = self._pages(layers, page_size)
         dev = device_pages.to(device=layers[0].device, dtype=torch.long)
+        hl = host_pages.detach().to("cpu", torch.long).tolist()
         self.calls["to_device"] += 1
         st = self.staged
-        L, e = self.layers, self.per_layer
         if not st._cuda:
-            hp = host_pages.to(device=flat.device, dtype=torch.long)
             for s in range(0, dev.numel(), st.chunk_pages):
-                src = flat.index_select(0, hp[s:s + st.chunk_pages]).view(-1, L, e)
-                idx = dev[s:s + st.chunk_pages]
-                for i, v in enumerate(views):
-                    v.index_copy_(0, idx, src[:, i].to(v.device))
+                src = flat.index_select(0, torch.tensor(hl[s:s + st.chunk_pages], dtype=torch.long))
+                pages.scatter(dev[s:s + st.chunk_pages], src.to(layers[0].device))
             return
         main = torch.cuda.current_stream(st.device)
         for k, s in enumerate(range(0, dev.numel(), st.chunk_pages)):
@@ -265,14 +321,11 @@ class LayerListCopier:
             buf = st._bufs[b][:n]
             with torch.cuda.stream(st._copy_stream):
                 st._copy_stream.wait_event(st._free[b])
-                for off, first, length in runs(host_pages[s:s + n]):
+                for off, first, length in runs(hl[s:s + n]):
                     buf[off:off + length].copy_(flat[first:first + length], non_blocking=True)
                 st._ready[b].record(st._copy_stream)
             main.wait_event(st._ready[b])
-            staged = buf.view(n, L, e)
-            idx = dev[s:s + n]
-            for i, v in enumerate(views):
-                v.index_copy_(0, idx, staged[:, i])
+            pages.scatter(dev[s:s + n], buf)
             st._free[b].record(main)
         if sync:
             main.synchronize()
