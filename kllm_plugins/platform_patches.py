@@ -5,7 +5,8 @@ HiCache's host pools unpinned and torch versions of its direct I/O ops, whicheve
 on. Each platform of ours may name a patch list here; the host applies the selected platform's
 list in every SGLang process, before any plugin's, and verifies it target by target like a
 plugin's (`KLLM_STRICT=1` stops the process on a failure). The ledger (`kllm-plugins patches`,
-docs/PATCHES.md) and `kllm-plugins doctor` list them as `platform:<name>`.
+docs/PATCHES.md) and `kllm-plugins doctor` list them as `platform:<name>`. `KLLM_PLATFORM_PATCHES=0`
+applies none.
 """
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ from typing import Callable, Mapping
 
 from kllm_plugins.attach import resolve_impl
 from kllm_plugins.spec import PatchSpec
+
+#: set to 0 to apply no platform patch list (e.g. to compare against SGLang without them)
+ENV_SWITCH = "KLLM_PLATFORM_PATCHES"
 
 #: platform name -> ("module:attr" of its patch tuple, "module:attr" of its selection check)
 PLATFORM_PATCH_LISTS: dict[str, tuple[str, str]] = {
@@ -42,6 +46,8 @@ def all_platform_groups() -> list[tuple[str, tuple[PatchSpec, ...]]]:
 def selected_platform_groups(env: Mapping[str, str] | None = None) -> list[tuple[str, tuple[PatchSpec, ...]]]:
     """The groups of the platforms the environment selects (what the host applies)."""
     env = os.environ if env is None else env
+    if env.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
+        return []
     groups = []
     for name in sorted(PLATFORM_PATCH_LISTS):
         is_selected: Callable[[Mapping[str, str]], bool] = resolve_impl(PLATFORM_PATCH_LISTS[name][1])

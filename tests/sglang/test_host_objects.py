@@ -44,4 +44,10 @@ def test_cli_hooks_enable_plugin_in_launcher_process() -> None:
     env.update({"SGLANG_PLATFORM": "kllm_cpu", "KLLM_STRICT": "1"})
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split()[-2:] == ["OK", "3"]
+    # the host's own hooks, the CPU platform's list and the trace plugin's
+    from kllm_plugins.manager import KllmPluginManager
+    from kllm_plugins.platform_patches import platform_patches
+    from kllm_plugins.sglang_bridge import HOST_PATCHES
+
+    n = len(HOST_PATCHES) + len(platform_patches("kllm_cpu")) + len(KllmPluginManager().specs["trace"].patches)
+    assert out.stdout.split()[-2:] == ["OK", str(n)]

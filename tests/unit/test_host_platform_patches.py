@@ -22,6 +22,7 @@ from kllm_plugins.spec import PatchSpec
         ({"KLLM_DEVICE": "cpu"}, ["platform:kllm_cpu"]),
         ({}, []),
         ({"SGLANG_PLATFORM": "cuda"}, []),
+        ({"SGLANG_PLATFORM": "kllm_cpu", "KLLM_PLATFORM_PATCHES": "0"}, []),
     ],
 )
 def test_cpu_platform_list_is_selected_by_the_environment(env: dict[str, str], expected: list[str]) -> None:
