@@ -14,6 +14,9 @@ Phases (one process each; `device_pipeline.sh` chains them, several per GPU side
                                feature cache (built here, handed to one spawned process per drafter
                                through CUDA IPC); `--max-train-seqs` caps the data when each process
                                must build its own (`--no-share`)
+After every evaluation each trainer writes its state to <work>/state_<name>/part_*.pt
+(`train_state.py`: bf16 weights in <= 15 MiB parts, the curve so far); with `--resume` a trainer
+continues from that state (on a fresh machine: carried back in by `device_run.sh put`).
 Both train phases evaluate the greedy accept length on the validation split (`walk_eval.py`) at
 `--eval-at` progress points, off the training clock: the learning curve; the best point's weights
 are kept (early stopping).
@@ -40,7 +43,8 @@ from kllm_plugins.plugins.dspark.core.target_llama import LlamaShape, LlamaTarge
 from kllm_plugins.plugins.dspark.train import calibrate, drafter_config  # noqa: E402
 from kllm_plugins.plugins.dspark.training.data import TokenizedPrompts, generate_answers  # noqa: E402
 from kllm_plugins.plugins.dspark.training.export import write_checkpoint  # noqa: E402
-from kllm_plugins.plugins.dspark.training.trainer import TrainConfig, train_drafter  # noqa: E402
+from kllm_plugins.plugins.dspark.training.train_state import load_train_state, save_train_state  # noqa: E402
+from kllm_plugins.plugins.dspark.training.trainer import TrainConfig, TrainState, train_drafter  # noqa: E402
 
 logger = logging.getLogger("kllm.dspark.bench")
 GAMMA = 7
@@ -178,9 +182,29 @@ def train_one(a: argparse.Namespace, name: str, cache_shared: dict | None = None
     cache = FeatureCache.from_shared(cache_shared) if cache_shared is not None else None
     evaluate = val_evaluator(target, data["val"], target_layers(target.shape), a.val_max_new)
     curve: list = []
+    state_dir = a.work / f"state_{name}"
+    resume, best_w = None, None
+    if a.resume and state_dir.exists():
+        resume, best_w = load_train_state(state_dir, model)
+        print("RESUME", name, json.dumps({"step": resume.step, "train_seconds": resume.train_seconds,
+                                          "progress": resume.progress, "done": resume.done}), flush=True)
+
+    def snapshot(st: TrainState) -> None:
+        save_train_state(state_dir, model, st)
+        print("STATE", name, json.dumps({"step": st.step, "train_seconds": round(st.train_seconds, 1),
+                                         "progress": round(st.progress, 4), "done": st.done}), flush=True)
+
     t0 = time.perf_counter()
-    hist = train_drafter(target, model, data["train"], tc, cache=cache, evaluate=evaluate, curve=curve)
-    train_s = time.perf_counter() - t0
+    if resume is not None and resume.done:  # trained to the end before: export only
+        hist = resume.history
+        curve.extend(resume.curve)
+        if best_w is not None and not a.no_keep_best:
+            model.load_state_dict(best_w)
+        model.eval()
+    else:
+        hist = train_drafter(target, model, data["train"], tc, cache=cache, evaluate=evaluate, curve=curve,
+                             snapshot=snapshot, resume=resume, best_weights=best_w)
+    train_s = time.perf_counter() - t0 + (resume.train_seconds if resume is not None else 0.0)
     cal = calibrate(target, model, data["calib"], data["test"])
     steps_done = max(h["step"] for h in hist) + 1
     write_checkpoint(model, a.work / f"ckpt_{name}", num_target_layers=target.shape.num_layers,
@@ -192,7 +216,8 @@ def train_one(a: argparse.Namespace, name: str, cache_shared: dict | None = None
                             "anchors_per_seq": a.anchors, "train_sequences": len(data["train"]),
                             "train_answer_tokens": sum(len(s) - p for s, p in data["train"]), "name": name,
                             "learning_curve": curve, "val_sequences": len(data["val"]),
-                            "seed": a.seed + SEED_OFFSET.get(name, 0), "shared_feature_cache": cache_shared is not None})
+                            "seed": a.seed + SEED_OFFSET.get(name, 0), "shared_feature_cache": cache_shared is not None,
+                            "resumed_from_step": resume.step if resume is not None else None})
     print("TRAIN", name, json.dumps({"parameters": parameter_count(model), "steps": steps_done, "seconds": train_s,
                                      "curve": [(c["progress"], c["step"], round(c["val"], 4)) for c in curve],
                                      "last": hist[-1], "ece_tf_after": cal["ece_after_pooled"]}), flush=True)
@@ -252,6 +277,7 @@ def main() -> None:
     ap.add_argument("--max-train-seqs", type=int, default=0)
     ap.add_argument("--eval-at", type=float, nargs="*", default=[0.125, 0.25, 0.5, 0.75, 1.0])
     ap.add_argument("--no-keep-best", action="store_true")
+    ap.add_argument("--resume", action="store_true", help="continue from <work>/state_<name> where one exists")
     ap.add_argument("--val-prompts", type=int, default=256)
     ap.add_argument("--val-max-new", type=int, default=128)
     ap.add_argument("--work", type=Path, default=Path("/tmp/dsp"))

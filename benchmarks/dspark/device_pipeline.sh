@@ -2,7 +2,9 @@
 # The whole GPU evaluation, detached (setsid) by device_run.sh so that it runs on across the
 # device calls that keep the machine: gen -> train (drafters side by side, one feature cache per GPU) -> accept
 # (side by side) -> timing (alone per GPU) + float32 losslessness -> merge. $W/stage says where it is.
-# Sizes come from the environment (defaults: the recorded evaluation).
+# Sizes come from the environment (defaults: the recorded evaluation). Restartable on a fresh
+# machine: carried answers_*.xz skip generation (restore), trainers continue from $W/state_<name>
+# (--resume; a state marked done is only exported).
 set -u
 W=${W:-/tmp/dsp}; C=$W/code; L=$W/logs; O=$W/out
 mkdir -p $L $O
@@ -11,7 +13,7 @@ B="python3 $C/bench_drafters.py"; E="python3 $C/drafter_eval.py"
 G0=${G0:-"dspark dflash dspark_gated"}; G1=${G1:-"eagle dspark_rnn dflash_seed1"}
 # one feature cache per GPU shared by its trainers (CUDA IPC); without IPC (the stage call's check
 # failed) each trainer builds its own on a capped share of the data
-SHARE_ARGS=""; [ -f $W/ipc_failed ] && SHARE_ARGS="--no-share --max-train-seqs ${NOSHARE_SEQS:-15000}"
+SHARE_ARGS="--resume"; [ -f $W/ipc_failed ] && SHARE_ARGS="--resume --no-share --max-train-seqs ${NOSHARE_SEQS:-15000}"
 stage() { echo "$1 $(date +%s)" >> $W/stage; }
 stage start
 if ls $W/answers_0.xz $W/answers_1.xz >/dev/null 2>&1 && ! ls $W/answers_*.pt >/dev/null 2>&1; then

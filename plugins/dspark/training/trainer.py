@@ -15,6 +15,12 @@ so a run cut by its time limit still ends annealed. AdamW is fused on CUDA.
 `evaluate` (e.g. the greedy accept length on a validation split, `walk_eval.py`) runs at the
 progress points `eval_at`, off the training clock: its history is the learning curve, and with
 `keep_best` the drafter ends with the weights of the best evaluation (early stopping).
+Resumable: after every evaluation `snapshot` receives a `TrainState` (step, training seconds,
+curve, history, best score, whether the current weights are the best); `train_drafter(resume=...)`
+continues from one: the step counter, the training clock (so the time budget and learning-rate
+schedule continue), the evaluation points still ahead and the best score carry over. A resume
+loses the AdamW moments (a fresh optimizer, re-warmed over `resume_warmup` steps) and the data
+order (the sampler is reseeded with seed + step).
 """
 from __future__ import annotations
 
@@ -137,6 +143,35 @@ def drafter_step(cache: FeatureCache, shared: SharedTarget, drafter: nn.Module, 
         return block_losses(out, cfg.decay)
 
 
+@dataclass
+class TrainState:
+    """What a later process needs to continue training (beside the drafter's weights)."""
+
+    step: int
+    train_seconds: float
+    progress: float
+    curve: list[dict[str, float]]
+    history: list[dict[str, float]]
+    best_score: float
+    best_is_current: bool
+    done: bool = False
+    best_weights: dict[str, torch.Tensor] | None = None  # when not best_is_current (not serialized)
+
+    def to_dict(self) -> dict[str, object]:
+        return {"step": self.step, "train_seconds": self.train_seconds, "progress": self.progress,
+                "curve": self.curve, "history": self.history,
+                "best_score": self.best_score if math.isfinite(self.best_score) else None,
+                "best_is_current": self.best_is_current, "done": self.done}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, object]) -> "TrainState":
+        best = d.get("best_score")
+        return cls(step=int(d["step"]), train_seconds=float(d["train_seconds"]),  # type: ignore[arg-type]
+                   progress=float(d["progress"]), curve=list(d["curve"]),  # type: ignore[arg-type]
+                   history=list(d["history"]), best_score=-math.inf if best is None else float(best),  # type: ignore[arg-type]
+                   best_is_current=bool(d["best_is_current"]), done=bool(d.get("done", False)))
+
+
 class BestKeeper:
     """Evaluations off the training clock; the weights of the best one (a copy on the device)."""
 
@@ -145,6 +180,7 @@ class BestKeeper:
         self.curve: list[dict[str, float]] = []
         self.best: dict[str, torch.Tensor] | None = None
         self.best_score = -math.inf
+        self.last_is_best = False
 
     def __call__(self, progress: float, step: int, train_seconds: float) -> float:
         """Evaluate now; returns the seconds it took (to be taken off the training clock)."""
@@ -162,6 +198,7 @@ class BestKeeper:
         self.curve.append({"progress": round(progress, 4), "step": step, "train_seconds": train_seconds,
                            "val": score, "eval_seconds": spent})
         logger.info("eval at %.0f%% (step %d): %.4f", 100 * progress, step, score)
+        self.last_is_best = score >= self.best_score
         return spent
 
     def restore(self) -> None:
@@ -171,12 +208,17 @@ class BestKeeper:
 
 def train_drafter(target: LlamaTarget, drafter: nn.Module, seqs: Sequence[tuple[list[int], int]], cfg: TrainConfig,
                   cache: FeatureCache | None = None, evaluate: Callable[[nn.Module], float] | None = None,
-                  curve: list[dict[str, float]] | None = None) -> list[dict[str, float]]:
+                  curve: list[dict[str, float]] | None = None, *, snapshot: Callable[[TrainState], None] | None = None,
+                  resume: TrainState | None = None, best_weights: dict[str, torch.Tensor] | None = None,
+                  resume_warmup: int = 50) -> list[dict[str, float]]:
     """Train in place; returns the logged history. Sequences need >= gamma + 1 answer tokens.
 
     `cache` (built over exactly `seqs`) is reused when given, e.g. by several drafters of one process.
     `evaluate` runs at `cfg.eval_at` (off the clock); its points are appended to `curve`, and with
     `cfg.keep_best` the best-scoring weights are restored at the end.
+    `snapshot` is called after every evaluation (off the clock); `resume` continues a snapshot's
+    run (the drafter must hold that snapshot's weights; `best_weights`, when the best evaluation
+    was an earlier one, its weights).
     """
     gamma = drafter.cfg.block_size  # type: ignore[attr-defined]
     layers = list(drafter.cfg.target_layer_ids)  # type: ignore[attr-defined]
@@ -197,20 +239,48 @@ def train_drafter(target: LlamaTarget, drafter: nn.Module, seqs: Sequence[tuple[
     history: list[dict[str, float]] = []
     keeper = BestKeeper(drafter, evaluate, cfg.keep_best)
     pending = list(cfg.eval_at)
-    t0 = time.perf_counter()
-    logger.info("train %s: feature cache %.1fs", drafter.cfg.kind, t0 - t_cache)  # type: ignore[attr-defined]
+    first, warm_from = 0, 0
+    if resume is not None:
+        first, warm_from = resume.step, resume.step
+        history = list(resume.history)
+        keeper.curve = list(resume.curve)
+        keeper.best_score = resume.best_score
+        if cfg.keep_best and math.isfinite(resume.best_score):
+            src = drafter.state_dict() if resume.best_is_current or best_weights is None else best_weights
+            keeper.best = {k: v.detach().clone().to(drafter.state_dict()[k].device) for k, v in src.items()}
+        pending = [f for f in pending if f > resume.progress]
+        rng = random.Random(cfg.seed * 1_000_003 + resume.step)
+        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + resume.step)
+        logger.info("train %s: resumed at step %d (%.1fs trained, progress %.3f)", drafter.cfg.kind,  # type: ignore[attr-defined]
+                    resume.step, resume.train_seconds, resume.progress)
+    t0 = time.perf_counter() - (resume.train_seconds if resume is not None else 0.0)
+    logger.info("train %s: feature cache %.1fs", drafter.cfg.kind, time.perf_counter() - t_cache)  # type: ignore[attr-defined]
     drafter.train()
-    progress, step = 0.0, 0
-    for step in range(cfg.steps):
+    warmup = cfg.warmup if resume is None else resume_warmup
+
+    def take_snapshot(step_now: int, elapsed_now: float, progress_now: float, done: bool) -> None:
+        nonlocal t0
+        if snapshot is None:
+            return
+        t = time.perf_counter()
+        current = keeper.last_is_best or evaluate is None or keeper.best is None
+        snapshot(TrainState(step=step_now, train_seconds=elapsed_now, progress=progress_now, curve=list(keeper.curve),
+                            history=list(history), best_score=keeper.best_score, best_is_current=current, done=done,
+                            best_weights=None if current else keeper.best))
+        t0 += time.perf_counter() - t  # off the training clock
+
+    progress, step = 0.0, first
+    for step in range(first, cfg.steps):
         elapsed = time.perf_counter() - t0
         progress = max(step / cfg.steps, elapsed / cfg.time_limit_s if cfg.time_limit_s else 0.0)
         while pending and progress >= pending[0] and pending[0] < 1.0:
             t0 += keeper(pending.pop(0), step, elapsed)
+            take_snapshot(step, elapsed, progress, False)
         if progress >= 1.0:
             logger.info("train: time limit reached at step %d", step)
             history.append({"step": step - 1, "stopped_by_time_limit": 1.0, "seconds": elapsed})
             break
-        lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * progress))
+        lr = cfg.lr * min(1.0, (step + 1 - warm_from) / warmup) * 0.5 * (1 + math.cos(math.pi * progress))
         for group in opt.param_groups:
             group["lr"] = lr
         batch = [usable[rng.randrange(len(usable))] for _ in range(cfg.batch_size)]
@@ -226,8 +296,10 @@ def train_drafter(target: LlamaTarget, drafter: nn.Module, seqs: Sequence[tuple[
             history.append(rec)
             logger.info("train %s step %d ce %.3f acc@1 %.3f acc %.3f", drafter.cfg.kind, step, rec["ce"],  # type: ignore[attr-defined]
                         rec["acc_k1"], rec["acc_mean"])
+    end_step = max(h["step"] for h in history) + 1 if history else step
     if pending:  # the end of training (time limit or last step) is the 100% point
-        keeper(1.0, max(h["step"] for h in history) + 1 if history else step, time.perf_counter() - t0)
+        keeper(1.0, end_step, time.perf_counter() - t0)
+    take_snapshot(end_step, time.perf_counter() - t0, 1.0, True)
     keeper.restore()
     if curve is not None:
         curve.extend(keeper.curve)
