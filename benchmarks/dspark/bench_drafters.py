@@ -123,7 +123,9 @@ def cmd_restore(a: argparse.Namespace) -> None:
     """answers_<shard>.pt from an earlier run's answers_<shard>.xz and the same prompt file (no generation)."""
     from kllm_plugins.plugins.dspark.training.data import load_answers_for
 
-    out = load_answers_for(a.work / f"answers_{a.shard}.xz", shard_prompts(a))
+    vocab = int(json.loads((a.work / "config.json").read_text())["vocab_size"])
+    prompts = {k: [[t % vocab for t in p] for p in v] for k, v in shard_prompts(a).items()}  # as `gen` (dry run)
+    out = load_answers_for(a.work / f"answers_{a.shard}.xz", prompts)
     torch.save(out, a.work / f"answers_{a.shard}.pt")
     print("GEN restored", json.dumps({"shard": a.shard, "train_seqs": len(out["train"]),
                                       "train_answer_tokens": sum(len(s) - p for s, p in out["train"])}), flush=True)

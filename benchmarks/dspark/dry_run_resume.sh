@@ -18,7 +18,7 @@ export ACCEPT_ARGS="--test-prompts 4 --sample-prompts 2 --max-new 16"
 export TIMING_ARGS="--bs16-prompts 4 --bs1-prompts 2 --max-new 8 --cost-batches 1 4"
 export FP32_ARGS="--test-prompts 2 --max-new 8"
 echo "== machine 1: full, cut after LIMIT"
-CARRY=$D/carry1 W=$D/w1 OUT=$D/out1 LIMIT=${LIMIT1:-110} bash benchmarks/dspark/device_run.sh full | grep -v "^-\|^d" || true
+CARRY=$D/carry1 W=$D/w1 OUT=$D/out1 LIMIT=${LIMIT1:-240} bash benchmarks/dspark/device_run.sh full | grep -v "^-\|^d" || true
 kill -- -"$(cat $D/w1/pipeline.pid)" 2>/dev/null || true   # machine 1 is gone
 sleep 1
 ls -R $D/out1 | tr '\n' ' '; echo

@@ -273,8 +273,11 @@ def train_drafter(target: LlamaTarget, drafter: nn.Module, seqs: Sequence[tuple[
     for step in range(first, cfg.steps):
         elapsed = time.perf_counter() - t0
         progress = max(step / cfg.steps, elapsed / cfg.time_limit_s if cfg.time_limit_s else 0.0)
+        evaluated = False
         while pending and progress >= pending[0] and pending[0] < 1.0:
             t0 += keeper(pending.pop(0), step, elapsed)
+            evaluated = True
+        if evaluated:
             take_snapshot(step, elapsed, progress, False)
         if progress >= 1.0:
             logger.info("train: time limit reached at step %d", step)
