@@ -75,6 +75,8 @@ def setup_args(name: str, store: str) -> tuple[list[str], list[str], dict[str, s
         env.update({"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": store, "KLLM_KV_TIERS_ADAPTIVE_THRESHOLDS": "false"})
         return l3_args("file"), ["kv_tiers"], env
     env.update({"KLLM_KV_TIERS_STORE_DIR": store})
+    if name == "kv_tiers_fixed":  # diagnostic: the plugin's store with stock's fixed thresholds
+        env["KLLM_KV_TIERS_ADAPTIVE_THRESHOLDS"] = "false"
     return l3_args("kllm_file"), ["kv_tiers"], env
 
 
