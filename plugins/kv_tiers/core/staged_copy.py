@@ -22,7 +22,7 @@ page_first host layout. On a CPU "device" the same calls run synchronously (test
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Protocol, Sequence
+from typing import Any, Literal, Protocol, Sequence
 
 import torch
 
@@ -266,14 +266,21 @@ class LayerListCopier:
             self._tables[key] = table
         return table
 
-    def to_host(self, layers: Sequence[torch.Tensor], host: torch.Tensor, device_pages: torch.Tensor,
-                host_pages: torch.Tensor, page_size: int, sync: bool = True) -> None:
-        """host page host_pages[i] = device page device_pages[i] (all layers)."""
+    def _begin(self, direction: str, layers: Sequence[torch.Tensor], host: torch.Tensor,
+               device_pages: torch.Tensor, host_pages: torch.Tensor, page_size: int
+               ) -> tuple[torch.Tensor, Any, torch.Tensor, list[int]]:
+        """What both directions start from: the host pool as [pages, elements], the layers' page
+        access, device page ids on the layers' device, host page ids as a list (one sync)."""
         flat = self._check(layers, host, page_size)
         pages = self._pages(layers, page_size)
         dev = device_pages.to(device=layers[0].device, dtype=torch.long)
-        hl = host_pages.detach().to("cpu", torch.long).tolist()
-        self.calls["to_host"] += 1
+        self.calls[direction] += 1
+        return flat, pages, dev, host_pages.detach().to("cpu", torch.long).tolist()
+
+    def to_host(self, layers: Sequence[torch.Tensor], host: torch.Tensor, device_pages: torch.Tensor,
+                host_pages: torch.Tensor, page_size: int, sync: bool = True) -> None:
+        """host page host_pages[i] = device page device_pages[i] (all layers)."""
+        flat, pages, dev, hl = self._begin("to_host", layers, host, device_pages, host_pages, page_size)
         st = self.staged
         if not st._cuda:
             for s in range(0, dev.numel(), st.chunk_pages):
@@ -303,11 +310,7 @@ class LayerListCopier:
     def to_device(self, host: torch.Tensor, host_pages: torch.Tensor, layers: Sequence[torch.Tensor],
                   device_pages: torch.Tensor, page_size: int, sync: bool = True) -> None:
         """device page device_pages[i] = host page host_pages[i] (all layers)."""
-        flat = self._check(layers, host, page_size)
-        pages = self._pages(layers, page_size)
-        dev = device_pages.to(device=layers[0].device, dtype=torch.long)
-        hl = host_pages.detach().to("cpu", torch.long).tolist()
-        self.calls["to_device"] += 1
+        flat, pages, dev, hl = self._begin("to_device", layers, host, device_pages, host_pages, page_size)
         st = self.staged
         if not st._cuda:
             for s in range(0, dev.numel(), st.chunk_pages):
