@@ -3,16 +3,20 @@ verifies it like a plugin's; the ledger lists every platform's patches."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 import types
-from typing import Any, Callable, Iterator
+from typing import Iterator
 
 import pytest
 
 from kllm_plugins import platform_patches, sglang_bridge
-from kllm_plugins.attach import Attacher, resolve_target
+from kllm_plugins.attach import Attacher
 from kllm_plugins.cli import patches_markdown
 from kllm_plugins.manager import KllmPluginManager
 from kllm_plugins.spec import PatchSpec
+
+sys.path.insert(0, str(Path(__file__).parent))
+from host_fixtures import WrappingRegistry  # noqa: E402
 
 
 @pytest.mark.parametrize(
@@ -45,24 +49,6 @@ def test_ledger_lists_platform_patches(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "| platform:kllm_cpu | `sglang.srt.mem_cache.pool_host.mha` | registry |" in ledger
 
 
-class RecordingRegistry:
-    """Applies AROUND hooks for real, like SGLang's HookRegistry."""
-
-    def __init__(self) -> None:
-        self.hooks: list[tuple[str, Callable[..., Any], str]] = []
-
-    def register(self, target: str, fn: Callable[..., Any], kind: str) -> None:
-        self.hooks.append((target, fn, kind))
-
-    def apply(self) -> None:
-        for target, fn, _kind in self.hooks:
-            owner_path, _, attr = target.rpartition(".")
-            owner = resolve_target(owner_path)
-            original = getattr(owner, attr)
-            setattr(owner, attr, lambda *a, __o=original, __f=fn, **k: __f(__o, *a, **k))
-        self.hooks.clear()
-
-
 @pytest.fixture
 def fake_platform(monkeypatch: pytest.MonkeyPatch) -> Iterator[types.ModuleType]:
     mod = types.ModuleType("kllm_fake_platform")
@@ -86,7 +72,7 @@ def fake_platform(monkeypatch: pytest.MonkeyPatch) -> Iterator[types.ModuleType]
 
 def _host() -> sglang_bridge.Host:
     h = sglang_bridge.Host(KllmPluginManager())
-    h.attacher = Attacher(RecordingRegistry())
+    h.attacher = Attacher(WrappingRegistry())
     return h
 
 
