@@ -9,7 +9,9 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
+from pathlib import Path
 import time
 import urllib.error
 import urllib.request
@@ -29,12 +31,22 @@ LAYER_FIRST = ["--hicache-mem-layout", "layer_first"]
 PAGE_FIRST = ["--hicache-mem-layout", "page_first_direct"]
 
 
+def mooncake_master_path() -> str | None:
+    """The `mooncake_master` executable: on PATH, or beside this interpreter (a virtual
+    environment's scripts when its python runs without the environment activated, as CI does)."""
+    found = shutil.which("mooncake_master")
+    if found:
+        return found
+    beside = Path(sys.executable).parent / "mooncake_master"
+    return str(beside) if beside.is_file() and os.access(beside, os.X_OK) else None
+
+
 def mooncake_available() -> bool:
     try:
         import mooncake.store  # noqa: F401
     except ImportError:
         return False
-    return shutil.which("mooncake_master") is not None
+    return mooncake_master_path() is not None
 
 
 @contextmanager
@@ -42,7 +54,10 @@ def mooncake_master(*flags: str) -> Iterator[dict[str, Any]]:
     """A `mooncake_master` (non-CUDA build, TCP, HTTP metadata server) on free ports."""
     rpc, http = free_port(), free_port()
     log = tempfile.NamedTemporaryFile(prefix="mooncake-master-", suffix=".log", delete=False)
-    proc = subprocess.Popen(["mooncake_master", f"-rpc_port={rpc}", "-enable_http_metadata_server=true",
+    exe = mooncake_master_path()
+    if exe is None:
+        raise RuntimeError("mooncake_master not found (pip install mooncake-transfer-engine-non-cuda)")
+    proc = subprocess.Popen([exe, f"-rpc_port={rpc}", "-enable_http_metadata_server=true",
                              f"-http_metadata_server_port={http}", *flags],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 20

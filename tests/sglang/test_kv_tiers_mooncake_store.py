@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import signal
 import subprocess
 import time
@@ -19,6 +18,7 @@ from typing import Any, Iterator
 import pytest
 import torch
 
+from kllm_plugins.testing.kv_tiers import mooncake_master_path
 from kllm_plugins.testing.sglang_server import free_port
 
 pytestmark = pytest.mark.sglang
@@ -59,7 +59,7 @@ class _HostPool:
 
 def _start_master(log: Any, rpc: int, http: int, extra: tuple[str, ...] = ()) -> subprocess.Popen:
     proc = subprocess.Popen(
-        ["mooncake_master", f"-rpc_port={rpc}", "-enable_http_metadata_server=true",
+        [mooncake_master_path(), f"-rpc_port={rpc}", "-enable_http_metadata_server=true",
          f"-http_metadata_server_port={http}", *extra],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 20
@@ -80,7 +80,7 @@ def _stop(proc: subprocess.Popen) -> None:
 @pytest.fixture()
 def master(tmp_path) -> Iterator[dict[str, Any]]:
     pytest.importorskip("mooncake.store")
-    if shutil.which("mooncake_master") is None:
+    if mooncake_master_path() is None:
         pytest.skip("mooncake_master not installed (pip mooncake-transfer-engine-non-cuda)")
     rpc, http = free_port(), free_port()
     log = open(tmp_path / "master.log", "wb")
