@@ -60,8 +60,10 @@ DRAFTERS = {
     "dflash": ("dflash", 4, 1408, "vanilla", False),
     "eagle": ("eagle", 4, 1344, "vanilla", False),
     "dflash_seed1": ("dflash", 4, 1408, "vanilla", False),  # the same DFlash-style drafter, another seed
+    "dspark_seed1": ("dspark", 4, 1408, "vanilla", True),  # the same DSpark, another seed
+    "dspark_rnn_seed1": ("dspark", 4, 1408, "rnn", True),
 }
-SEED_OFFSET = {"dflash_seed1": 1}
+SEED_OFFSET = {"dflash_seed1": 1, "dspark_seed1": 1, "dspark_rnn_seed1": 1}
 
 
 def device() -> str:

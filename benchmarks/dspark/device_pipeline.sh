@@ -11,6 +11,9 @@ mkdir -p $L $O
 export PYTHONUNBUFFERED=1
 B="python3 $C/bench_drafters.py"; E="python3 $C/drafter_eval.py"
 G0=${G0:-"dspark dflash dspark_gated"}; G1=${G1:-"eagle dspark_rnn dflash_seed1"}
+# timed alone per GPU after the accept runs (GPU0 also times the target alone and the step costs)
+T0_NAMES=${T0_NAMES:-"dspark dflash"}; T1_NAMES=${T1_NAMES:-"eagle dspark_gated dspark_rnn"}
+FP32_NAMES=${FP32_NAMES:-"dspark dflash eagle"}
 # one feature cache per GPU shared by its trainers (CUDA IPC); without IPC (the stage call's check
 # failed) each trainer builds its own on a capped share of the data
 SHARE_ARGS="--resume"; [ -f $W/ipc_failed ] && SHARE_ARGS="--resume --no-share --max-train-seqs ${NOSHARE_SEQS:-15000}"
@@ -33,9 +36,9 @@ for n in $G0; do CUDA_VISIBLE_DEVICES=0 $E accept --work $W --out $O --name $n $
 for n in $G1; do CUDA_VISIBLE_DEVICES=1 $E accept --work $W --out $O --name $n ${ACCEPT_ARGS:-} > $L/accept_$n.log 2>&1 & done
 wait
 stage accept
-CUDA_VISIBLE_DEVICES=0 $E timing --work $W --out $O --names dspark dflash --with-target --costs --tag 0 ${TIMING_ARGS:-} > $L/timing_0.log 2>&1 &
-( CUDA_VISIBLE_DEVICES=1 $E fp32 --work $W --out $O --names dspark dflash eagle ${FP32_ARGS:-} > $L/fp32.log 2>&1
-  CUDA_VISIBLE_DEVICES=1 $E timing --work $W --out $O --names eagle dspark_gated dspark_rnn --tag 1 ${TIMING_ARGS:-} > $L/timing_1.log 2>&1 ) &
+CUDA_VISIBLE_DEVICES=0 $E timing --work $W --out $O --names $T0_NAMES --with-target --costs --tag 0 ${TIMING_ARGS:-} > $L/timing_0.log 2>&1 &
+( CUDA_VISIBLE_DEVICES=1 $E fp32 --work $W --out $O --names $FP32_NAMES ${FP32_ARGS:-} > $L/fp32.log 2>&1
+  CUDA_VISIBLE_DEVICES=1 $E timing --work $W --out $O --names $T1_NAMES --tag 1 ${TIMING_ARGS:-} > $L/timing_1.log 2>&1 ) &
 wait
 $E merge --work $W --out $O > $L/merge.log 2>&1
 stage done
