@@ -38,9 +38,10 @@ Prints the setups side by side with ratios, writes benchmarks/results/kv_tiers.j
 row to benchmarks/RESULTS.md. `--deadline-s` stops starting server lifetimes that would not finish
 in time, and every finished lifetime's cells are saved to `--partial` as they come.
 
-Stock HiCache needs kv_tiers' CPU compatibility hooks (unpinned host pool, torch direct copy) to
-run on this platform at all, so its setup loads the plugin with the policies off
-(adaptive_thresholds=false) and SGLang's own `file` backend.
+Stock HiCache is stock: no plugin enabled, SGLang's own `file` backend in the shared folder
+(`SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR`); what lets HiCache run on this CPU platform at all
+(unpinned host pool, a torch direct copy) is the platform's own patch list, applied with or without
+any plugin.
 """
 from __future__ import annotations
 
@@ -71,9 +72,8 @@ def setup_args(name: str, store: str) -> tuple[list[str], list[str], dict[str, s
     env = {"KLLM_EXTRA_PLUGINS": "kllm_plugins.plugins.kv_tiers.hookimpls"}
     if name == "l1_only":
         return [], [], {}
-    if name == "hicache":
-        env.update({"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": store, "KLLM_KV_TIERS_ADAPTIVE_THRESHOLDS": "false"})
-        return l3_args("file"), ["kv_tiers"], env
+    if name == "hicache":  # stock: SGLang's own file backend, no plugin (the CPU platform's patches run HiCache)
+        return l3_args("file"), [], {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": store}
     env.update({"KLLM_KV_TIERS_STORE_DIR": store})
     if name == "kv_tiers_fixed":  # diagnostic: the plugin's store with stock's fixed thresholds
         env["KLLM_KV_TIERS_ADAPTIVE_THRESHOLDS"] = "false"

@@ -56,6 +56,14 @@ def kllm_declare() -> PluginSpec:
                 upstream="a pluggable storage prefetch policy (threshold and admission callback) in HiCache",
             ),
             PatchSpec(
+                target=f"{URC}.check_prefetch_progress",
+                impl=f"{ADAPTER}:after_check_prefetch_progress",
+                kind="after",
+                why="measure what an L3 prefetch costs the request that waits for it (start to done, under "
+                    "HiCache's default 'timeout' stop policy), the fetch cost that fetch-or-recompute weighs",
+                upstream="per-request prefetch timings exposed by HiCache (time_stats already observes readiness)",
+            ),
+            PatchSpec(
                 target=f"{URC}.init_load_back",
                 impl=f"{ADAPTER}:around_init_load_back",
                 kind="around",

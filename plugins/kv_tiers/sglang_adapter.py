@@ -88,8 +88,13 @@ class _Tiers:
                                        "pages_skipped": 0, "pages_admitted": 0}
         # wall seconds and calls spent in this plugin's L3 path (lookups, reads, writes incl. offer
         # markers): what a workload pays for the tiers beyond HiCache itself
-        self.path_s: dict[str, float] = {"lookup": 0.0, "read": 0.0, "write": 0.0}
-        self.path_calls: dict[str, int] = {"lookup": 0, "read": 0, "write": 0}
+        self.path_s: dict[str, float] = {"lookup": 0.0, "read": 0.0, "write": 0.0, "l2_backup": 0.0}
+        self.path_calls: dict[str, int] = {"lookup": 0, "read": 0, "write": 0, "l2_backup": 0}
+        # L3 prefetches in flight: request handle -> start time; a request waits for its prefetch
+        # (HiCache's default "timeout" stop policy), so start-to-done is what an L3 fetch costs it
+        self.prefetch_started: dict[Any, float] = {}
+        self.prefetch_wait: dict[str, float] = {"calls": 0, "seconds": 0.0, "max_s": 0.0, "loaded_tokens": 0,
+                                                "misses": 0, "miss_seconds": 0.0}
         self._lock = threading.Lock()
         self._never: dict[str, bool] = {}
         self._m_pages = metrics.counter("kllm_kv_tiers_l3_pages_total", "L3 pages by outcome", ("outcome",))
@@ -163,6 +168,30 @@ class _Tiers:
             self.path_s[what] += seconds
             self.path_calls[what] += 1
 
+    def prefetch_begun(self, request: Any) -> None:
+        with self._lock:
+            if len(self.prefetch_started) > 4096:  # aborted requests never complete: drop the oldest
+                for key in list(self.prefetch_started)[:2048]:
+                    del self.prefetch_started[key]
+            self.prefetch_started.setdefault(request, time.perf_counter())
+
+    def prefetch_done(self, request: Any, loaded_tokens: int) -> float | None:
+        """Record a finished L3 prefetch (the request's wait for it); its seconds, or None if unknown."""
+        with self._lock:
+            t0 = self.prefetch_started.pop(request, None)
+            if t0 is None:
+                return None
+            wait = time.perf_counter() - t0
+            w = self.prefetch_wait
+            w["calls"] += 1
+            w["seconds"] += wait
+            w["max_s"] = max(w["max_s"], wait)
+            w["loaded_tokens"] += loaded_tokens
+            if loaded_tokens <= 0:
+                w["misses"] += 1
+                w["miss_seconds"] += wait
+        return wait
+
     def count(self, what: str, n: int = 1) -> None:
         with self._lock:
             self.counts[what] = self.counts.get(what, 0) + n
@@ -170,7 +199,8 @@ class _Tiers:
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
             out: dict[str, Any] = {"instance_id": self.instance_id, **self.counts,
-                                   "path_s": dict(self.path_s), "path_calls": dict(self.path_calls)}
+                                   "path_s": dict(self.path_s), "path_calls": dict(self.path_calls),
+                                   "prefetch_wait": dict(self.prefetch_wait)}
         out["write_mode"] = "dormant" if self.persistence.dormant() else "active"
         if self.store is not None:
             out["store"] = self.store.stats.snapshot()
@@ -422,7 +452,21 @@ def around_prefetch_from_storage(original: Callable[..., Any], self: Any, reques
             t.count("prefetch_refused")
             return None
         t.count("prefetch_admitted")
-    return original(self, request, last_host_node_id, new_input_tokens, *args, **kwargs)
+    result = original(self, request, last_host_node_id, new_input_tokens, *args, **kwargs)
+    if not already and request in (getattr(self, "ongoing_prefetch", None) or {}):
+        t.prefetch_begun(request)
+    return result
+
+
+def after_check_prefetch_progress(result: Any, self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+    """A request's L3 prefetch is over when this answers True: record how long the request waited."""
+    t = _tiers
+    if result is True and t is not None and t.prefetch_started:
+        loaded = int((getattr(self, "prefetch_loaded_tokens_by_reqid", None) or {}).get(request, 0) or 0)
+        wait = t.prefetch_done(request, loaded)
+        if wait is not None and t.fetch is not None:
+            t.fetch.observe_prefetch_wait(loaded * t.fetch.bytes_per_token, wait)
+    return None
 
 
 def around_init_load_back(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any, Callable
 
 import torch
@@ -93,9 +94,24 @@ def around_backup_from_device_all_layer(original: Callable[..., Any], self: Any,
                                         *args: Any, **kwargs: Any) -> Any:
     on, chunk = _enabled()
     if not on or args or kwargs or not eligible(self, io_backend):
-        return original(self, device_pool, host_indices, device_indices, io_backend, *args, **kwargs)
+        t0 = time.perf_counter()
+        result = original(self, device_pool, host_indices, device_indices, io_backend, *args, **kwargs)
+        _note_backup(host_indices, time.perf_counter() - t0)
+        return result
+    t0 = time.perf_counter()
     backup(self, host_indices, device_indices, chunk)
+    _note_backup(host_indices, time.perf_counter() - t0)
     return None
+
+
+def _note_backup(host_indices: Any, seconds: float) -> None:
+    """L1->L2 write-through volume and time (on the scheduler thread): part of the per-request profile."""
+    from kllm_plugins.plugins.kv_tiers import sglang_adapter
+
+    t = sglang_adapter._tiers
+    if t is not None:
+        t.count("l2_backup_tokens", int(host_indices.numel()))
+        t.spent("l2_backup", seconds)
 
 
 def around_load_to_device_per_layer(original: Callable[..., Any], self: Any, device_pool: Any,

@@ -160,6 +160,27 @@ def test_shared_folder_sees_pages_of_another_process(tmp_path) -> None:
     assert not c.exists("k2")
 
 
+def test_page_written_by_another_instance_is_adopted_not_rewritten(tmp_path) -> None:
+    writes: list[tuple[str, int]] = []
+    a = _store(tmp_path)
+    b = _store(tmp_path, on_transfer=lambda d, n, s: writes.append((d, n)))
+    assert a.put("k", b"q" * 20)
+    before = os.stat(a.path_of("k")).st_mtime_ns
+    assert b.put("k", b"q" * 20)  # the page is in the shared folder: nothing written again
+    assert writes == [] and b.stats.puts == 0 and b.stats.put_existing == 1
+    assert os.stat(a.path_of("k")).st_mtime_ns == before
+    assert "k" in b.keys() and b.used_bytes == HEADER_SIZE + 20
+    assert b.get("k") == b"q" * 20
+    # a file of another size under the key is not taken for the page: it is written over
+    with open(a.path_of("k2"), "wb") as f:
+        f.write(b"short")
+    assert b.put("k2", b"r" * 20) and b.stats.puts == 1 and b.get("k2") == b"r" * 20
+    # a store that does not share its folder writes what it has not written itself
+    c = _store(tmp_path, shared=False)
+    assert a.put("k3", b"s" * 20)
+    assert c.put("k3", b"s" * 20) and c.stats.puts == 1 and c.stats.put_existing == 0
+
+
 def test_unsafe_keys_are_hashed_into_file_names(tmp_path) -> None:
     s = _store(tmp_path)
     key = "../../etc/passwd"

@@ -97,6 +97,28 @@ def test_learning_moves_the_decision() -> None:
     assert p.decide("l3", 512).fetch
 
 
+def test_prefetch_wait_raises_the_l3_break_even_length() -> None:
+    # reads alone: 5 GB/s and 0.2 ms, prefill 2,000 tokens/s -> one page is worth fetching
+    p = _policy(l3_bw=5e9, prefill_tps=2_000, l3_lat=2e-4, margin=1.2)
+    assert p.min_fetch_tokens("l3") <= 16 and p.decide("l3", 64).fetch
+    # but each request waited ~50 ms for its prefetch (hit or miss): the round trip is the cost
+    for loaded in (0, 64, 0, 256, 0, 128) * 5:
+        read = p.tiers["l3"].seconds(loaded * 32_768) if loaded else 0.0
+        p.observe_prefetch_wait(loaded * 32_768, read + 0.05)
+    assert p.l3_overhead_s == pytest.approx(0.05, rel=1e-6)
+    n = p.min_fetch_tokens("l3")
+    assert n > 1.2 * 0.05 * 2_000  # a 64-token hit saves 32 ms of prefill: not worth a 50 ms wait
+    assert not p.decide("l3", 64).fetch and p.decide("l3", 1024).fetch
+    assert p.decide("l3", int(n)).fetch and not p.decide("l3", int(n) - 1).fetch
+    # L2 loads never wait for a prefetch
+    assert p.min_fetch_tokens("l2") <= 16
+    # the round trip gets fast again: the bar comes back down
+    for _ in range(100):
+        p.observe_prefetch_wait(0, 1e-3)
+    assert p.min_fetch_tokens("l3") < 16
+    assert p.snapshot()["l3_prefetch_overhead_s"] == pytest.approx(p.l3_overhead_s)
+
+
 def test_exploration_refetches_a_refused_tier_now_and_then() -> None:
     p = _policy(l3_bw=20e6, prefill_tps=2_000, explore=5)
     decisions = [p.decide("l3", 256) for _ in range(20)]

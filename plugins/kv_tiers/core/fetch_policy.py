@@ -7,6 +7,13 @@ A hit is fetched only when fetching is cheaper by `margin`; since both costs are
 that is equivalent to a minimum hit length per tier, which is what HiCache's prefetch threshold
 takes. A slow tier therefore stops being used, and a tier is re-measured now and then
 (`explore_every`) so that it can come back when it gets faster.
+
+An L3 fetch costs the request more than the page reads: the request waits for its whole prefetch
+(HiCache's storage query, the reads, the hand-offs between its threads and the scheduler's next
+look), and a lookup that finds nothing costs that round trip too. `observe_prefetch_wait` learns
+this overhead (measured wait minus the modelled read time, an EWMA) and it is charged to every L3
+fetch as extra latency, so the break-even length rises when the round trip is slow (a loaded
+machine) instead of staying at the bare read latency of one page.
 """
 from __future__ import annotations
 
@@ -62,6 +69,9 @@ class FetchOrRecompute:
             "l3": LinearCost(l3_prior, alpha),
         }
         self.prefill = LinearCost(prefill_prior, alpha)
+        self.alpha = alpha
+        self.l3_overhead_s = 0.0  # EWMA of (a request's prefetch wait - modelled read time)
+        self.l3_waits = 0
         self._refused: dict[str, int] = {"l2": 0, "l3": 0}
         self._lock = threading.Lock()
 
@@ -69,6 +79,17 @@ class FetchOrRecompute:
 
     def observe_transfer(self, tier: Tier, nbytes: int, seconds: float) -> None:
         self.tiers[tier].observe(nbytes, seconds)
+
+    def observe_prefetch_wait(self, loaded_bytes: int, seconds: float) -> None:
+        """A request waited `seconds` for its L3 prefetch, which loaded `loaded_bytes` (0: a miss)."""
+        if seconds < 0:
+            return
+        read = self.tiers["l3"].seconds(loaded_bytes) if loaded_bytes > 0 else 0.0
+        extra = max(0.0, seconds - read)
+        with self._lock:
+            a = self.alpha if self.l3_waits else 1.0
+            self.l3_overhead_s += a * (extra - self.l3_overhead_s)
+            self.l3_waits += 1
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         self.prefill.observe(tokens, seconds)
@@ -79,7 +100,7 @@ class FetchOrRecompute:
         nbytes = tokens * self.bytes_per_token
         s = self.tiers["l2"].seconds(nbytes)
         if tier == "l3":
-            s += self.tiers["l3"].seconds(nbytes)
+            s += self.tiers["l3"].seconds(nbytes) + self.l3_overhead_s
         return s
 
     def recompute_seconds(self, tokens: int) -> float:
@@ -107,7 +128,7 @@ class FetchOrRecompute:
         per_tok = l2.per_unit_s * b
         if tier == "l3":
             l3 = self.tiers["l3"].params()
-            fixed += l3.fixed_s
+            fixed += l3.fixed_s + self.l3_overhead_s
             per_tok += l3.per_unit_s * b
         gain = self.prefill.params().per_unit_s - self.margin * per_tok
         if gain <= 0:
@@ -122,6 +143,8 @@ class FetchOrRecompute:
             out[f"{name}_latency_s"] = p.fixed_s
             out[f"{name}_samples"] = float(cost.samples)
             out[f"{name}_min_fetch_tokens"] = self.min_fetch_tokens(name)  # type: ignore[arg-type]
+        out["l3_prefetch_overhead_s"] = self.l3_overhead_s
+        out["l3_prefetch_waits"] = float(self.l3_waits)
         out["prefill_tokens_per_s"] = self.prefill.rate()
         out["prefill_samples"] = float(self.prefill.samples)
         return out

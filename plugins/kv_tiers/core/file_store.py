@@ -54,6 +54,8 @@ class StoreStats:
     misses: int = 0
     evictions: int = 0
     evicted_bytes: int = 0
+    put_existing: int = 0
+    """puts answered by a page another instance sharing the folder had written (nothing rewritten)"""
     faults: dict[str, int] = field(default_factory=dict)
 
     def fault(self, reason: PageFault | str) -> None:
@@ -223,6 +225,13 @@ class FilePageStore:
                 self.stats.put_refused += 1
                 self.stats.fault("too_large")
                 return False
+        if self.shared and self._adopt_written(key, size):
+            return True
+        with self._lock:
+            if key in self._index:
+                return True
+            if key in self._pending:
+                return False
             victims = self._evict_locked(size)
             self._reserved += size
             self._pending.add(key)
@@ -248,6 +257,25 @@ class FilePageStore:
             if self.on_store is not None:
                 self.on_store(key)
         return ok
+
+    def _adopt_written(self, key: str, size: int) -> bool:
+        """Whether another instance sharing the folder already wrote this page (same size): then it is
+        indexed here and not written again (two instances serving one conversation would otherwise
+        write each of its pages twice). Its content is checked when it is read, as any page's."""
+        try:
+            if os.stat(self.path_of(key)).st_size != size:
+                return False
+        except OSError:
+            return False
+        with self._lock:
+            if key in self._index:
+                return True
+            victims = self._evict_locked(size)
+            self._index[key] = size
+            self._used += size
+            self.stats.put_existing += 1
+        self._unlink_victims(victims)
+        return True
 
     def _write(self, key: str, payload: bytes | memoryview) -> bool:
         header = encode_header(self.ns_digest, key, payload)
