@@ -19,7 +19,11 @@ What it adds to the stock backend:
   failed transfer are misses or refused writes, counted by reason
   (`kllm_kv_tiers_l3_faults_total{reason}`) and logged; the store is re-attached in the
   background once its master answers again;
-- L3 events: `BlockStored` with medium `EXTERNAL` for every page written.
+- L3 events: `BlockStored` with medium `EXTERNAL` for every page written;
+- shared sightings: an offer marker per page (a one-byte object in the same store,
+  `core/shared_sightings.py`) lets a page's sighting on one instance count on every instance
+  of the master, so a prefix seen once on each of two instances is written at the second
+  (as the file store's `.seen/` markers do); a slow or failing master leaves them local.
 Mooncake evicts on its own without telling clients, so no `BlockRemoved` events come from it.
 """
 from __future__ import annotations
@@ -30,13 +34,15 @@ import socket
 import struct
 import threading
 import time
+import weakref
 import zlib
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeStore
 
+from kllm_plugins import metrics
 from kllm_plugins.plugins.kv_tiers.core.file_store import StoreStats
 from kllm_plugins.plugins.kv_tiers.core.page_format import (
     PageError,
@@ -46,6 +52,7 @@ from kllm_plugins.plugins.kv_tiers.core.page_format import (
     digest16,
     encode_record,
 )
+from kllm_plugins.plugins.kv_tiers.core.shared_sightings import SharedSightings
 from kllm_plugins.plugins.kv_tiers.core.tier_events import TierEventLog
 from kllm_plugins.plugins.kv_tiers.sglang_adapter import extends_cached_prefix, tiers
 
@@ -93,6 +100,11 @@ class KllmMooncakeStorage(MooncakeStore):
         self._full_at = 0.0
         self._reattach: threading.Thread | None = None
         self._state_lock = threading.Lock()
+        self.sightings: SharedSightings | None = None
+        if bool(extra.get("shared_sightings", True)):
+            self.sightings = SharedSightings(_MooncakeMarkers(self), float(extra.get("sightings_timeout_ms", 50)) / 1e3,
+                                             on_unshared=_count_unshared(self.t))
+            weakref.finalize(self, self.sightings.close)  # its thread must not keep this client alive
         if self.master_address is not None and not master_reachable(self.master_address):
             self._down("down_at_start", f"master {self.master_address} unreachable")
             return
@@ -292,7 +304,9 @@ class KllmMooncakeStorage(MooncakeStore):
             self.t.fault("store_down", len(keys))
             return [False] * len(keys)
         fill = 1.0 if time.monotonic() - self._full_at < _FULL_MEMORY_S else 0.0
-        adm = self.t.persistence.admit(list(keys), fill, self.t.write_busy.fraction())
+        busy = self.t.write_busy.fraction()
+        shared = self._note_offered(list(keys), fill, busy)
+        adm = self.t.persistence.admit(list(keys), fill, busy)
         a = adm.admitted
         skipped = len(keys) - a
         if skipped:
@@ -327,11 +341,79 @@ class KllmMooncakeStorage(MooncakeStore):
                 self.stats.put_bytes += written * self.page_nbytes
             if self.t.events is not None:
                 self.t.events.record("stored", "EXTERNAL", list(keys[:written]))
+            if shared and self.sightings is not None:
+                self.sightings.forget_offered(list(keys[:written]))
         return ok + [True] * skipped
+
+    def _note_offered(self, keys: list[str], fill: float, busy: float) -> bool:
+        """Count other instances' sightings of `keys` (and leave this one's for them), as the file
+        backend does; only while a page needs more than one sighting and the policy sees reuse
+        (while dormant a workload without reuse should leave no markers). Whether it did."""
+        p = self.t.persistence
+        if self.sightings is None or p.threshold(fill, busy) <= 1 or p.dormant():
+            return False
+        fresh = [k for k in keys if not p.counter.count(k)]
+        if fresh:
+            seen = self.sightings.note_offered(fresh)
+            p.note_remote_sightings(fresh, seen)
+            if any(seen):
+                self.t.count("sightings_shared", sum(seen))
+                _m_sightings().labels("seen_elsewhere").inc(sum(seen))
+        return True
 
     def clear(self) -> None:
         if self.ready:
             MooncakeStore.clear(self)
 
+    def close(self) -> None:
+        if self.sightings is not None:
+            self.sightings.close()
+        MooncakeStore.close(self)
+
     def get_stats(self) -> Any:
         return MooncakeStore.get_stats(self) if self.ready else None
+
+
+def _m_sightings() -> Any:
+    return metrics.counter("kllm_kv_tiers_shared_sightings_total",
+                           "L3 offer-marker sightings: seen on another instance, or not shared (by reason)",
+                           ("outcome",))
+
+
+def _count_unshared(t: Any) -> Callable[[str, int], None]:
+    def count(reason: str, n: int) -> None:
+        t.count("sightings_unshared", n)
+        _m_sightings().labels(reason).inc(n)
+
+    return count
+
+
+class _MooncakeMarkers:
+    """Offer markers as one-byte objects next to the pages (`SharedSightings`' store calls);
+    keyed like the page records, with the namespace digest, so other layouts do not count."""
+
+    _VALUE = b"\x01"
+
+    def __init__(self, backend: KllmMooncakeStorage) -> None:
+        self._backend = weakref.ref(backend)
+
+    @property
+    def backend(self) -> KllmMooncakeStorage:
+        b = self._backend()
+        if b is None or not b.ready:
+            raise RuntimeError("store not attached")
+        return b
+
+    def _keys(self, keys: list[str]) -> list[str]:
+        b = self.backend
+        ns = b.namespace_digest[:4].hex()
+        return [f"{k}_{b.mha_suffix}_kllm_seen_{ns}" for k in b._tag_keys(keys)]
+
+    def exists(self, keys: list[str]) -> list[int]:
+        return list(self.backend.store.batch_is_exist(self._keys(keys)))
+
+    def mark(self, keys: list[str]) -> bool:
+        return self.backend.store.put_batch(self._keys(keys), [self._VALUE] * len(keys)) == 0
+
+    def unmark(self, keys: list[str]) -> None:
+        self.backend.store.batch_remove(self._keys(keys), True)  # force: a marker just checked holds a lease

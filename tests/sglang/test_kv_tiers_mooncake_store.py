@@ -258,3 +258,89 @@ def test_master_lost_mid_run_is_a_miss(master, make, caplog) -> None:
     faults = b.t.snapshot()["store"]["faults"]
     assert faults.get("store_error", 0) >= 3 and faults.get("store_lost") == 1
     assert "store lost" in caplog.text and not b.ready
+
+
+# -- shared sightings: offer markers in the Mooncake store ---------------------------------------
+
+# generous wait for the marker check where the test is about sharing itself, so that a loaded
+# machine does not turn a shared sighting into a local one
+_PATIENT = {"min_reuse": 2, "sightings_timeout_ms": 10_000}
+
+
+def _markers(b: Any, keys: list[str]) -> list[int]:
+    from kllm_plugins.plugins.kv_tiers.sglang_mooncake import _MooncakeMarkers
+
+    return _MooncakeMarkers(b).exists(keys)
+
+
+def test_page_seen_once_on_each_of_two_instances_is_written_by_the_second(make) -> None:
+    a, pool_a = make(**_PATIENT)
+    b, pool_b = make(**_PATIENT)  # another instance: own client, host pool and policy
+    keys, once = _keys(3, "shared"), _keys(2, "once")
+    assert _write(a, pool_a, keys, seed=3) == [True] * 3  # A's first sighting: skipped, marked
+    assert _write(a, pool_a, once) == [True] * 2
+    assert a.sightings.drain()
+    assert a.t.counts["pages_admitted"] == 0 and a.t.counts["pages_skipped"] == 5
+    assert _markers(b, keys + once) == [1] * 5
+    assert b.batch_exists(keys) == 0
+
+    assert _write(b, pool_b, keys, seed=3) == [True] * 3  # B's first sighting is the page's second
+    assert b.t.counts["pages_admitted"] == 3 and b.t.counts.get("sightings_shared") == 3
+    assert b.t.counts.get("sightings_unshared", 0) == 0
+    want = [pool_b.page(p) for p in range(3)]
+    assert a.batch_exists(keys) == 3
+    assert a.batch_get_v1(keys, _idx(20, 3)) == [True] * 3
+    assert all(torch.equal(pool_a.page(20 + p), want[p]) for p in range(3))
+    assert b.sightings.drain()
+    assert _markers(b, keys) == [0] * 3  # written pages' markers are removed
+
+    # a page offered once only (on A) is not written, and B offering other pages changes nothing
+    assert a.batch_exists(once) == 0 and b.batch_exists(once) == 0
+    other = _keys(2, "other")
+    assert _write(b, pool_b, other) == [True] * 2
+    assert b.t.counts["pages_admitted"] == 3 and b.batch_exists(other) == 0
+
+
+def test_marker_check_is_skipped_when_every_page_is_written_at_first_sight(make) -> None:
+    b, pool = make(min_reuse=1, sightings_timeout_ms=10_000)
+    keys = _keys(2, "m1")
+    assert _write(b, pool, keys) == [True, True] and b.batch_exists(keys) == 2
+    assert b.sightings.drain()
+    assert b.sightings.stats["checked"] == 0 and _markers(b, keys) == [0, 0]
+
+
+def test_master_down_leaves_sightings_local_counted_not_raised(master, make, caplog) -> None:
+    b, pool = make(**_PATIENT)
+    _stop(master["proc"])  # the client still thinks it is attached (no failed call yet)
+    keys = _keys(3, "down")
+    with caplog.at_level("WARNING", logger="kllm.kv_tiers"):
+        assert _write(b, pool, keys) == [True] * 3  # skipped by choice, nothing raised
+    assert b.t.counts.get("sightings_unshared") == 3 and b.sightings.stats["unshared_error"] == 3
+    assert b.t.counts.get("sightings_shared", 0) == 0 and b.t.counts["pages_skipped"] == 3
+    assert "shared sightings: store did not answer (error)" in caplog.text
+
+
+def test_stalled_master_does_not_hold_up_writes(master, make, caplog) -> None:
+    b, pool = make(min_reuse=2, sightings_timeout_ms=50)
+    keys, more = _keys(2, "slow"), _keys(2, "slow2")
+    os.killpg(master["proc"].pid, signal.SIGSTOP)  # calls to it now wait ~30 s for an RPC timeout
+    try:
+        t0 = time.monotonic()
+        with caplog.at_level("WARNING", logger="kllm.kv_tiers"):
+            assert _write(b, pool, keys) == [True, True]
+            assert _write(b, pool, more) == [True, True]  # the store thread is still stuck: not asked
+        elapsed = time.monotonic() - t0
+    finally:
+        os.killpg(master["proc"].pid, signal.SIGCONT)
+    assert elapsed < 10, elapsed  # far below the RPC timeout the check is stuck in
+    st = b.sightings.stats
+    assert st["unshared_timeout"] == 2 and st["unshared_busy"] == 2, st
+    assert b.t.counts.get("sightings_unshared") == 4
+    assert "store did not answer (timeout)" in caplog.text
+    # once the master runs again the stuck check ends (its markers are put) and sharing resumes
+    assert b.sightings.drain(60)
+    b.sightings.timeout_s = 10.0
+    fresh = _keys(1, "after")
+    assert _write(b, pool, fresh) == [True]
+    assert st["checked"] >= 3 and st["unshared_timeout"] == 2 and st["unshared_busy"] == 2
+    assert b.sightings.drain() and _markers(b, keys + fresh) == [1] * 3
