@@ -344,3 +344,15 @@ def test_stalled_master_does_not_hold_up_writes(master, make, caplog) -> None:
     assert _write(b, pool, fresh) == [True]
     assert st["checked"] >= 3 and st["unshared_timeout"] == 2 and st["unshared_busy"] == 2
     assert b.sightings.drain() and _markers(b, keys + fresh) == [1] * 3
+
+
+def test_sightings_of_another_layout_do_not_count(make) -> None:
+    a, pool_a = make(**_PATIENT)
+    pool_b = _HostPool()
+    pool_b.layout = "page_first"  # same model and keys, pages that could not be served to A
+    b, _ = make(pool=pool_b, **_PATIENT)
+    keys = _keys(2, "ns")
+    assert _write(a, pool_a, keys) == [True, True] and a.sightings.drain()
+    assert _write(b, pool_b, keys) == [True, True]
+    assert b.t.counts["pages_admitted"] == 0 and b.t.counts.get("sightings_shared", 0) == 0
+    assert b.sightings.stats["checked"] == 2
