@@ -4,7 +4,9 @@ SGLang's own `MooncakeStore` does the I/O (zero-copy `batch_*_v1` into a host po
 pool is a stand-in with the page_first_direct pointer arithmetic of SGLang's MHA host pool.
 Checked here: selective persistence, measured reads feeding fetch-or-recompute, page records
 refusing corrupt and foreign pages, a full store, the master down at start, lost mid-run and
-back, EXTERNAL tier events, and cross-instance reads (a second client sees the first's pages).
+back, EXTERNAL tier events, cross-instance reads (a second client sees the first's pages), and
+shared sightings: offer markers in the store let a page seen once on each of two clients be
+written by the second; a master gone or stalled leaves sightings local (counted, no delay).
 """
 from __future__ import annotations
 
