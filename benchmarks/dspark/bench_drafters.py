@@ -62,8 +62,13 @@ DRAFTERS = {
     "dflash_seed1": ("dflash", 4, 1408, "vanilla", False),  # the same DFlash-style drafter, another seed
     "dspark_seed1": ("dspark", 4, 1408, "vanilla", True),  # the same DSpark, another seed
     "dspark_rnn_seed1": ("dspark", 4, 1408, "rnn", True),
+    # the paper's comparison (DSpark = DFlash + an untied head, unequal budget) and its equal-budget
+    # counterpart: prepared for the run after run 5, not run yet
+    "dspark_untied": ("dspark", 4, 1408, "vanilla", False),
+    "dspark_untied_seed1": ("dspark", 4, 1408, "vanilla", False),
+    "dflash6": ("dflash", 6, 1408, "vanilla", False),
 }
-SEED_OFFSET = {"dflash_seed1": 1, "dspark_seed1": 1, "dspark_rnn_seed1": 1}
+SEED_OFFSET = {"dflash_seed1": 1, "dspark_seed1": 1, "dspark_rnn_seed1": 1, "dspark_untied_seed1": 1}
 
 
 def device() -> str:

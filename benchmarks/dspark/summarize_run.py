@@ -20,7 +20,8 @@ from pathlib import Path
 TARGETS = {"dspark_vs_dflash": 1.15, "dspark_vs_eagle": 1.25, "ece": 0.05}
 # a drafter and its second seed (the seed spread); the first name is the one the targets name
 SEED_PAIRS = {"dspark": ("dspark", "dspark_seed1"), "dflash": ("dflash", "dflash_seed1"),
-              "dspark_rnn": ("dspark_rnn", "dspark_rnn_seed1")}
+              "dspark_rnn": ("dspark_rnn", "dspark_rnn_seed1"),
+              "dspark_untied": ("dspark_untied", "dspark_untied_seed1")}
 
 
 def conditional(rates: list[float]) -> list[float]:
@@ -75,24 +76,25 @@ def summarize(gpu: dict) -> dict:
     spread = {b: {"values": seeds(b), "spread_rel": round(max(seeds(b)) / min(seeds(b)) - 1.0, 4)}
               for b in SEED_PAIRS if len(seeds(b)) == 2}
     ratios: dict = {"targets": TARGETS}
-    for ds in ("dspark", "dspark_rnn"):
+    for ds in ("dspark", "dspark_rnn", "dspark_untied"):
         if not seeds(ds):
             continue
-        for base in ("dflash", "eagle"):
+        for base in ("dflash", "dflash6", "eagle"):
             if not seeds(base):
                 continue
             a, b = seeds(ds), seeds(base)
+            target = TARGETS["dspark_vs_eagle" if base == "eagle" else "dspark_vs_dflash"]
             ratios[f"{ds}_vs_{base}"] = {
                 "mean_of_seeds": round(statistics.mean(a) / statistics.mean(b), 4),
                 "worst_pairing": round(min(a) / max(b), 4), "best_pairing": round(max(a) / min(b), 4),
-                "met": statistics.mean(a) / statistics.mean(b) >= TARGETS[f"dspark_vs_{base}"]}
+                "met": statistics.mean(a) / statistics.mean(b) >= target}
     ece = {n: r["ece"] for n, r in rows.items() if r["ece"] is not None}
     ratios["ece_met"] = {n: v <= TARGETS["ece"] for n, v in ece.items()}
     pos: dict = {}
     if "dspark" in rows and "dflash" in rows:
         pos = {"conditional_dspark": rows["dspark"]["accept_conditional_per_position"],
                "conditional_dflash": rows["dflash"]["accept_conditional_per_position"]}
-        for extra in ("dspark_seed1", "dflash_seed1", "dspark_rnn"):
+        for extra in ("dspark_seed1", "dflash_seed1", "dspark_rnn", "dspark_untied", "dflash6"):
             if extra in rows:
                 pos[f"conditional_{extra}"] = rows[extra]["accept_conditional_per_position"]
     return {"target": gpu.get("target"), "device": gpu.get("device"), "gamma": gpu.get("gamma"),
