@@ -167,13 +167,18 @@ def ideal_hit_rate(trace: list[dict[str, Any]], block: int = 16) -> float:
 
 def kept_stats(servers: list[SGLangServer]) -> list[dict[str, Any]]:
     keep = ("pages_admitted", "pages_skipped", "prefetch_admitted", "prefetch_refused", "l2_loaded_tokens",
-            "path_s", "path_calls", "write_mode")
+            "path_s", "path_calls", "write_mode", "prefetch_wait", "l2_backup_tokens")
     out = []
     for s in servers:
         st = kv_tiers_stats(s)
         store = st.get("store", {})
+        fp = st.get("fetch_policy", {})
         out.append({k: v for k, v in st.items() if k in keep}
-                   | {"store_hits": store.get("hits"), "store_put_bytes": store.get("put_bytes")})
+                   | {"store_hits": store.get("hits"), "store_put_bytes": store.get("put_bytes"),
+                      "store_put_existing": store.get("put_existing"),
+                      "l3_min_fetch_tokens": fp.get("l3_min_fetch_tokens"),
+                      "l3_prefetch_overhead_s": fp.get("l3_prefetch_overhead_s"),
+                      "prefill_tokens_per_s": fp.get("prefill_tokens_per_s")})
     return out
 
 

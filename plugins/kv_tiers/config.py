@@ -21,6 +21,10 @@ class KvTiersConfig:
     """Write-all (above) holds only while one of the last `reuse_window` L3 lookups reused something
     (a cached prefix or an L3 hit) or a page came back; otherwise nothing is written before its
     `min_reuse`-th sighting (a workload without reuse writes nothing). 0: write-all always."""
+    dormant_hold_mb: float = 64.0
+    """While the policy is dormant (no reuse seen yet), keep up to this many MiB of the skipped pages
+    in memory and write them once reuse is seen (a conversation's first turn, offered before its
+    second showed reuse); nothing is written while no reuse is seen. 0: drop them."""
     fill_high: float = 0.9
     """Store fill fraction above which the reuse bar is raised (capacity pressure)."""
     busy_high: float = 0.5
@@ -60,6 +64,8 @@ class KvTiersConfig:
                 raise ValueError(f"{name} must be in (0, 1], got {v}")
         if self.fetch_margin < 1:
             raise ValueError(f"fetch_margin must be >= 1, got {self.fetch_margin}")
+        if self.dormant_hold_mb < 0:
+            raise ValueError(f"dormant_hold_mb must be >= 0, got {self.dormant_hold_mb}")
         if self.reuse_window < 0:
             raise ValueError(f"reuse_window must be >= 0, got {self.reuse_window}")
         if self.explore_every < 0:

@@ -28,6 +28,8 @@ def kllm_declare() -> PluginSpec:
                        "write every page while the store has room and bandwidth; select only under pressure"),
             OptionSpec("reuse_window", int, _D.reuse_window,
                        "write-all only while one of the last N L3 lookups reused something (0: always)"),
+            OptionSpec("dormant_hold_mb", float, _D.dormant_hold_mb,
+                       "MiB of pages skipped before reuse is seen, written once it is (0: dropped)"),
             OptionSpec("fill_high", float, _D.fill_high, "store fill fraction that raises the reuse bar"),
             OptionSpec("busy_high", float, _D.busy_high, "writer busy fraction that raises the reuse bar"),
             OptionSpec("fetch_margin", float, _D.fetch_margin, "fetch only when this many times cheaper than recompute"),

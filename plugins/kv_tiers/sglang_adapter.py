@@ -31,6 +31,7 @@ from kllm_plugins.plugins.kv_tiers.config import KvTiersConfig
 from kllm_plugins.plugins.kv_tiers.core.cost_model import CostPrior
 from kllm_plugins.plugins.kv_tiers.core.fetch_policy import FetchOrRecompute
 from kllm_plugins.plugins.kv_tiers.core.file_store import FilePageStore, StoreStats
+from kllm_plugins.plugins.kv_tiers.core.held_pages import HeldPages
 from kllm_plugins.plugins.kv_tiers.core.persistence import BusyMeter, PersistencePolicy
 from kllm_plugins.plugins.kv_tiers.core.prefetch_gate import PrefetchGate
 from kllm_plugins.plugins.kv_tiers.core.tier_events import TierEventLog
@@ -78,6 +79,7 @@ class _Tiers:
         self.persistence = PersistencePolicy(cfg.min_reuse, cfg.fill_high, cfg.busy_high,
                                              write_all_below_pressure=cfg.write_all_below_pressure,
                                              reuse_window=cfg.reuse_window)
+        self.held = HeldPages(int(cfg.dormant_hold_mb * (1 << 20)))
         self.gate = PrefetchGate(cfg.prefetch_max_inflight_ops, cfg.prefetch_max_inflight_tokens)
         self.write_busy = BusyMeter()
         self.events: TierEventLog | None = None
@@ -90,9 +92,12 @@ class _Tiers:
         # markers): what a workload pays for the tiers beyond HiCache itself
         self.path_s: dict[str, float] = {"lookup": 0.0, "read": 0.0, "write": 0.0, "l2_backup": 0.0}
         self.path_calls: dict[str, int] = {"lookup": 0, "read": 0, "write": 0, "l2_backup": 0}
-        # L3 prefetches in flight: request handle -> start time; a request waits for its prefetch
-        # (HiCache's default "timeout" stop policy), so start-to-done is what an L3 fetch costs it
+        # L3 prefetches in flight: request handle -> start time, and the time the scheduler first
+        # wanted to run the request but had to wait for its prefetch (HiCache's default "timeout"
+        # stop policy): from then to done is what an L3 fetch delays the request (time spent
+        # queued behind other work while the prefetch ran costs nothing)
         self.prefetch_started: dict[Any, float] = {}
+        self.prefetch_blocked: dict[Any, float] = {}
         self.prefetch_wait: dict[str, float] = {"calls": 0, "seconds": 0.0, "max_s": 0.0, "loaded_tokens": 0,
                                                 "misses": 0, "miss_seconds": 0.0}
         self._lock = threading.Lock()
@@ -173,15 +178,24 @@ class _Tiers:
             if len(self.prefetch_started) > 4096:  # aborted requests never complete: drop the oldest
                 for key in list(self.prefetch_started)[:2048]:
                     del self.prefetch_started[key]
+                    self.prefetch_blocked.pop(key, None)
             self.prefetch_started.setdefault(request, time.perf_counter())
 
+    def prefetch_blocking(self, request: Any) -> None:
+        """The scheduler would run the request now but waits for its prefetch."""
+        with self._lock:
+            if request in self.prefetch_started:
+                self.prefetch_blocked.setdefault(request, time.perf_counter())
+
     def prefetch_done(self, request: Any, loaded_tokens: int) -> float | None:
-        """Record a finished L3 prefetch (the request's wait for it); its seconds, or None if unknown."""
+        """Record a finished L3 prefetch and how long it held its request up (0 when it finished while
+        the request was still queued); those seconds, or None for a request not seen starting one."""
         with self._lock:
             t0 = self.prefetch_started.pop(request, None)
+            blocked = self.prefetch_blocked.pop(request, None)
             if t0 is None:
                 return None
-            wait = time.perf_counter() - t0
+            wait = time.perf_counter() - blocked if blocked is not None else 0.0
             w = self.prefetch_wait
             w["calls"] += 1
             w["seconds"] += wait
@@ -202,6 +216,8 @@ class _Tiers:
                                    "path_s": dict(self.path_s), "path_calls": dict(self.path_calls),
                                    "prefetch_wait": dict(self.prefetch_wait)}
         out["write_mode"] = "dormant" if self.persistence.dormant() else "active"
+        out["held"] = {"pages": len(self.held), "bytes": self.held.nbytes, "held": self.held.held,
+                       "dropped": self.held.dropped}
         if self.store is not None:
             out["store"] = self.store.stats.snapshot()
             out["store_used_bytes"] = self.store.used_bytes
@@ -367,10 +383,14 @@ class KllmFileStorage(HiCacheStorage):
         skipped = len(keys) - adm.admitted
         logger.debug("kv_tiers write: %d of %d pages admitted (bar %d, fill %.2f)", adm.admitted, len(keys),
                      adm.threshold, fill)
+        dormant = self.t.persistence.dormant()
         if skipped:
             # Not an error: HiCache would log a failed write. The page simply stays out of L3.
             self.t.count("pages_skipped", skipped)
             self.t._m_pages.labels("skipped").inc(skipped)
+            if dormant and self.t.held.max_bytes:
+                for key, value in zip(keys[adm.admitted:], values[adm.admitted:]):
+                    self.t.held.hold(key, memoryview(value.contiguous().view(torch.uint8).numpy()).cast("B"))
         before = dict(self.store.stats.faults)
         ok = True
         for key, value in zip(keys[: adm.admitted], values[: adm.admitted]):
@@ -382,8 +402,19 @@ class KllmFileStorage(HiCacheStorage):
             self.t._m_pages.labels("written").inc()
             if selective:
                 self.store.forget_offered(key)
+        if not dormant and len(self.t.held):
+            self._write_held()
         self._fault_metrics(before)
         return ok
+
+    def _write_held(self) -> None:
+        """Reuse is seen now: write the pages held back while the policy was dormant."""
+        assert self.store is not None
+        held = self.t.held.take_all()
+        written = sum(1 for key, data in held if self.store.put(key, data))
+        self.t.count("held_written", written)
+        self.t._m_pages.labels("written").inc(written)
+        logger.info("kv_tiers: reuse seen; wrote %d of %d pages held back while dormant", written, len(held))
 
     def clear(self) -> None:
         if self.store is not None:
@@ -433,6 +464,26 @@ def _full_prefix_keys(cache: Any, node: Any, args: tuple[Any, ...], kwargs: dict
     return args, {**kwargs, "prefix_keys": full}
 
 
+def _first_page_key(cache: Any, new_input_tokens: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """The L3 storage key of the first page a prefetch would look up, computed as HiCache's storage
+    query does (`get_storage_hash_str` over the page-aligned tokens, chained on the anchor's hash,
+    seeded by the request's namespace); None where it cannot be told (bigram keys, short input)."""
+    try:
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+        from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+        page = int(getattr(cache, "page_size", 1))
+        if len(new_input_tokens) < page or getattr(getattr(cache, "tree_core", None), "is_eagle", False):
+            return None
+        last_hash = args[0] if args else kwargs.get("last_hash")
+        key = RadixKey(new_input_tokens[:page], extra_key=kwargs.get("extra_key"),
+                       cache_salt=kwargs.get("cache_salt"))
+        hashes = get_storage_hash_str(key, last_hash, page_size=page)
+        return hashes[0] if isinstance(hashes, list) else hashes
+    except Exception:  # another SGLang's key scheme: no probe, HiCache's lookup decides
+        return None
+
+
 def around_prefetch_from_storage(original: Callable[..., Any], self: Any, request: Any, last_host_node_id: Any,
                                  new_input_tokens: list[int], *args: Any, **kwargs: Any) -> Any:
     t = tiers()
@@ -451,6 +502,15 @@ def around_prefetch_from_storage(original: Callable[..., Any], self: Any, reques
         if not d.admit:
             t.count("prefetch_refused")
             return None
+        # Probe the first page before starting a prefetch: under HiCache's default "timeout" stop
+        # policy a request whose prefetch finds nothing still waits for it, about the timeout
+        # (~1 s measured here), so a certain miss is not worth starting (the prefix is recomputed).
+        if t.store is not None and kwargs.get("storage_hit_end") is None:
+            first = _first_page_key(self, new_input_tokens, args, kwargs)
+            if first is not None and not t.store.exists(first):
+                t.count("prefetch_probe_miss")
+                t._m_prefetch.labels("l3_probe_miss").inc()
+                return None
         t.count("prefetch_admitted")
     result = original(self, request, last_host_node_id, new_input_tokens, *args, **kwargs)
     if not already and request in (getattr(self, "ongoing_prefetch", None) or {}):
@@ -459,12 +519,19 @@ def around_prefetch_from_storage(original: Callable[..., Any], self: Any, reques
 
 
 def after_check_prefetch_progress(result: Any, self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-    """A request's L3 prefetch is over when this answers True: record how long the request waited."""
+    """The scheduler asks whether a request's L3 prefetch is over before running it: False = the
+    request waits for it (from the first such answer), True = over; record the delay it caused."""
     t = _tiers
-    if result is True and t is not None and t.prefetch_started:
+    if t is None or not t.prefetch_started:
+        return None
+    if result is False:
+        t.prefetch_blocking(request)
+    elif result is True:
         loaded = int((getattr(self, "prefetch_loaded_tokens_by_reqid", None) or {}).get(request, 0) or 0)
         wait = t.prefetch_done(request, loaded)
-        if wait is not None and t.fetch is not None:
+        # only fetches that loaded something price a fetch: a miss that got past the probe (a page
+        # evicted or still being written) is a race, counted in `prefetch_wait`, not a cost of hits
+        if wait is not None and loaded > 0 and t.fetch is not None:
             t.fetch.observe_prefetch_wait(loaded * t.fetch.bytes_per_token, wait)
     return None
 

@@ -193,13 +193,48 @@ class _Cache:
         return True
 
 
+def _store_first_page(b: Any, cache: Any, tokens: list[int], last_hash: Any = None) -> None:
+    """Put the page a prefetch of `tokens` would look up first, so the hook's L3 probe finds it."""
+    from kllm_plugins.plugins.kv_tiers import sglang_adapter as ad
+
+    key = ad._first_page_key(cache, tokens, (last_hash,), {})
+    assert key is not None
+    assert b.store.put(key, memoryview(_pages(1, 99)[0].view(torch.uint8).numpy()).cast("B"))
+
+
+def test_prefetch_is_not_started_when_its_first_page_is_not_in_l3(backend_factory) -> None:
+    """A prefetch that would find nothing still holds its request up (HiCache's 'timeout' stop policy
+    waits ~1 s for it): the hook probes the first page's storage key and starts none for a miss."""
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    from kllm_plugins.plugins.kv_tiers import sglang_adapter as ad
+
+    b = backend_factory(min_reuse=1)
+    cache = _Cache()
+    tokens = list(range(1000, 1512))
+    assert ad.around_prefetch_from_storage(_Cache.prefetch, cache, "r1", None, tokens) is None
+    assert cache.calls == 0 and b.t.counts["prefetch_probe_miss"] == 1
+    # the probe's key is the one HiCache's storage query looks up first for these tokens
+    first = get_storage_hash_str(tokens[:512], None, page_size=16)[0]
+    assert ad._first_page_key(cache, tokens, (None,), {}) == first
+    chained = get_storage_hash_str(tokens[:16], first, page_size=16)[0]
+    assert ad._first_page_key(cache, tokens, (first,), {}) == chained != first
+    assert b.batch_set([first], _pages(1, 3)) and b.store.exists(first)
+    assert ad.around_prefetch_from_storage(_Cache.prefetch, cache, "r2", None, tokens) is True
+    assert cache.calls == 1 and b.t.counts["prefetch_admitted"] == 1
+    # a re-issued prefetch of a known hit is not probed again
+    assert ad.around_prefetch_from_storage(_Cache.prefetch, cache, "r3", None, list(range(64)),
+                                           storage_hit_end=64) is True
+
+
 def test_prefetch_hook_completes_the_prefix_keys_with_the_anchor_node(backend_factory) -> None:
     """SGLang passes the anchor's ancestors' keys only; a lookup anchored right under the root
     would look like a request that reuses nothing. The hook adds the anchor's own keys."""
     from kllm_plugins.plugins.kv_tiers import sglang_adapter as ad
 
-    backend_factory()
+    b0 = backend_factory()
     cache = _Cache({"sys": ["k1", "k2"], "turn": ["k3"]})
+    _store_first_page(b0, cache, list(range(64)))
     ad.around_prefetch_from_storage(_Cache.prefetch, cache, "r1", "sys", list(range(64)), "k2", [])
     ad.around_prefetch_from_storage(_Cache.prefetch, cache, "r2", "turn", list(range(64)), "k3", ["k1", "k2"])
     ad.around_prefetch_from_storage(_Cache.prefetch, cache, "r3", "turn", list(range(64)), "k3", None)
@@ -251,11 +286,80 @@ def test_without_reuse_nothing_is_written_and_one_reuse_turns_write_all_on(backe
     assert b.batch_set(other, _pages(2, 9)) and b.batch_exists(other) == 2  # written at first sighting
 
 
+def test_pages_skipped_while_dormant_are_written_once_reuse_is_seen(backend_factory) -> None:
+    """A conversation's first turn is offered before any reuse is seen (dormant: not written); its
+    pages are held in memory and written when the next turn's lookup shows reuse, so the next turn
+    landing on another instance finds them in L3. Without reuse they never reach the store."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+
+    b = backend_factory(min_reuse=2, write_all_below_pressure=True, reuse_window=4)
+    first = [_keys(3, f"turn1-{i}") for i in range(3)]
+    for i, keys in enumerate(first):
+        assert b.batch_exists(keys) == 0
+        assert b.batch_set(keys, _pages(3, i))
+    assert len(b.store) == 0 and b.t.snapshot()["held"]["pages"] == 9  # dormant: nothing written
+    assert b.batch_exists(_keys(2, "turn2"), HiCacheStorageExtraInfo(prefix_keys=first[0])) == 0
+    assert b.batch_set(_keys(2, "turn2"), _pages(2, 5))  # active now: the held pages go out too
+    for i, keys in enumerate(first):
+        assert b.batch_exists(keys) == 3
+        got = b.batch_get(keys, [torch.empty(PAGE_ELEMS, dtype=torch.bfloat16) for _ in keys])
+        assert all(torch.equal(g, p) for g, p in zip(got, _pages(3, i)))  # the pages as offered
+    assert b.t.counts["held_written"] == 9 and b.t.snapshot()["held"]["pages"] == 0
+    # with the hold switched off the first turn is dropped, as before
+    off = backend_factory(min_reuse=2, write_all_below_pressure=True, reuse_window=4, dormant_hold_mb=0)
+    keys = _keys(3, "off")
+    assert off.batch_set(keys, _pages(3, 1))
+    assert off.batch_exists(_keys(1, "x"), HiCacheStorageExtraInfo(prefix_keys=keys)) == 0
+    assert off.batch_set(_keys(1, "x"), _pages(1, 2)) and off.batch_exists(keys) == 0
+
+
+def test_prefetch_delay_is_measured_from_the_first_blocked_admission(backend_factory) -> None:
+    """A prefetch that ends while its request is still queued costs nothing; one the scheduler has
+    to wait for costs the wait, which raises the L3 break-even length."""
+    import time as _time
+
+    from kllm_plugins.plugins.kv_tiers import sglang_adapter as ad
+
+    b = backend_factory(prefill_tokens_per_s=2000.0)
+    cache = _Cache()
+    cache.prefetch_loaded_tokens_by_reqid = {}
+    _store_first_page(b, cache, list(range(512)))
+
+    def start(rid: str) -> None:
+        def prefetch(self: Any, request: Any, *a: Any, **k: Any) -> bool:
+            self.ongoing_prefetch[request] = object()
+            return True
+        ad.around_prefetch_from_storage(prefetch, cache, rid, None, list(range(512)))
+
+    start("queued")
+    _time.sleep(0.05)  # the prefetch runs while the request waits its turn anyway
+    ad.after_check_prefetch_progress(True, cache, "queued")
+    cache.ongoing_prefetch.pop("queued")  # HiCache drops a finished prefetch
+    assert b.t.prefetch_wait["calls"] == 1 and b.t.prefetch_wait["seconds"] == 0.0
+    base = b.t.fetch.min_fetch_tokens("l3")
+    for i in range(5):
+        rid = f"blocked{i}"
+        start(rid)
+        cache.prefetch_loaded_tokens_by_reqid[rid] = 64  # what the prefetch loaded
+        ad.after_check_prefetch_progress(False, cache, rid)  # the scheduler waits from here
+        _time.sleep(0.04)
+        ad.after_check_prefetch_progress(False, cache, rid)
+        ad.after_check_prefetch_progress(True, cache, rid)
+        cache.ongoing_prefetch.pop(rid)
+    w = b.t.prefetch_wait
+    assert w["calls"] == 6 and w["misses"] == 1 and w["loaded_tokens"] == 5 * 64 and w["seconds"] >= 5 * 0.04
+    floor = 0.04 * (1 - 0.9 ** 5)  # EWMA (alpha 0.1) of five waits of at least 40 ms after one free one
+    assert b.t.fetch.l3_overhead_s >= floor - 1e-9
+    assert b.t.fetch.min_fetch_tokens("l3") > max(base, floor * 2000)
+    assert not b.t.prefetch_started and not b.t.prefetch_blocked
+
+
 def test_prefetch_hook_sets_break_even_threshold_and_bounds_inflight(backend_factory) -> None:
     from kllm_plugins.plugins.kv_tiers import sglang_adapter as ad
 
     b = backend_factory(prefetch_max_inflight_ops=1, l3_read_gbps=5.0, prefill_tokens_per_s=1000.0)
     cache = _Cache()
+    _store_first_page(b, cache, list(range(512)))
     assert ad.around_prefetch_from_storage(_Cache.prefetch, cache, "r1", None, list(range(512))) is True
     expected = b.t.fetch.min_fetch_tokens("l3")
     assert cache.prefetch_threshold == max(16, int(expected))
@@ -328,6 +432,7 @@ def test_slow_store_is_measured_and_then_recomputed(backend_factory, monkeypatch
     keys, pages = _keys(4, "slow"), _pages(4, 9)
     assert b.batch_set(keys, pages)
     cache = _Cache()
+    _store_first_page(b, cache, list(range(512)))
     assert ad.around_prefetch_from_storage(_Cache.prefetch, cache, "r0", None, list(range(512))) is True
 
     def slow_open(*args: Any, **kwargs: Any) -> Any:  # a disk answering in 50 ms a page
