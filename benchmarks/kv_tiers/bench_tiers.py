@@ -167,7 +167,8 @@ def ideal_hit_rate(trace: list[dict[str, Any]], block: int = 16) -> float:
 
 def kept_stats(servers: list[SGLangServer]) -> list[dict[str, Any]]:
     keep = ("pages_admitted", "pages_skipped", "prefetch_admitted", "prefetch_refused", "l2_loaded_tokens",
-            "path_s", "path_calls", "write_mode", "prefetch_wait", "l2_backup_tokens")
+            "path_s", "path_calls", "write_mode", "prefetch_wait", "l2_backup_tokens", "prefetch_probe_miss",
+            "held_written", "held")
     out = []
     for s in servers:
         st = kv_tiers_stats(s)
