@@ -173,6 +173,16 @@ class _Tiers:
             self.path_s[what] += seconds
             self.path_calls[what] += 1
 
+    def note_lookup(self, keys: list[str], hits: int, extends: bool) -> None:
+        """What an L3 lookup tells selective persistence: `hits` leading pages of `keys` were in L3,
+        `extends` = the request matched a cached prefix (a continuation)."""
+        self.persistence.note_request(bool(hits) or extends)
+        logger.debug("kv_tiers lookup: %d of %d pages in L3 (continuation: %s)", hits, len(keys), extends)
+        if hits < len(keys):
+            self.persistence.note_lookup_miss(keys[hits:])
+            if hits or extends:
+                self.persistence.note_continuation(keys[hits:])
+
     def prefetch_begun(self, request: Any) -> None:
         with self._lock:
             if len(self.prefetch_started) > 4096:  # aborted requests never complete: drop the oldest
@@ -317,13 +327,7 @@ class KllmFileStorage(HiCacheStorage):
     def _batch_exists(self, keys: List[str], extra_info: Any) -> int:
         assert self.store is not None
         n = self.store.prefix_hits(keys)
-        self.t.persistence.note_request(bool(n) or extends_cached_prefix(extra_info))
-        logger.debug("kv_tiers lookup: %d of %d pages in L3 (continuation: %s)", n, len(keys),
-                     extends_cached_prefix(extra_info))
-        if n < len(keys):
-            self.t.persistence.note_lookup_miss(keys[n:])
-            if n or extends_cached_prefix(extra_info):
-                self.t.persistence.note_continuation(keys[n:])
+        self.t.note_lookup(keys, n, extends_cached_prefix(extra_info))
         return n
 
     def get(self, key: str, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None) -> torch.Tensor | None:
@@ -464,24 +468,32 @@ def _full_prefix_keys(cache: Any, node: Any, args: tuple[Any, ...], kwargs: dict
     return args, {**kwargs, "prefix_keys": full}
 
 
-def _first_page_key(cache: Any, new_input_tokens: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
-    """The L3 storage key of the first page a prefetch would look up, computed as HiCache's storage
-    query does (`get_storage_hash_str` over the page-aligned tokens, chained on the anchor's hash,
-    seeded by the request's namespace); None where it cannot be told (bigram keys, short input)."""
+def _page_keys(cache: Any, new_input_tokens: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+               pages: int | None = None) -> list[str] | None:
+    """The L3 storage keys a prefetch would look up (the first `pages`, or all), computed as
+    HiCache's storage query does (`get_storage_hash_str` over the page-aligned tokens, chained on
+    the anchor's hash, seeded by the request's namespace); None where it cannot be told (bigram
+    keys, input shorter than a page)."""
     try:
         from sglang.srt.mem_cache.radix_cache import RadixKey
         from sglang.srt.mem_cache.utils import get_storage_hash_str
 
         page = int(getattr(cache, "page_size", 1))
-        if len(new_input_tokens) < page or getattr(getattr(cache, "tree_core", None), "is_eagle", False):
+        n = len(new_input_tokens) // page if pages is None else min(pages, len(new_input_tokens) // page)
+        if n <= 0 or getattr(getattr(cache, "tree_core", None), "is_eagle", False):
             return None
         last_hash = args[0] if args else kwargs.get("last_hash")
-        key = RadixKey(new_input_tokens[:page], extra_key=kwargs.get("extra_key"),
+        key = RadixKey(new_input_tokens[: n * page], extra_key=kwargs.get("extra_key"),
                        cache_salt=kwargs.get("cache_salt"))
         hashes = get_storage_hash_str(key, last_hash, page_size=page)
-        return hashes[0] if isinstance(hashes, list) else hashes
+        return list(hashes) if isinstance(hashes, list) else [hashes]
     except Exception:  # another SGLang's key scheme: no probe, HiCache's lookup decides
         return None
+
+
+def _first_page_key(cache: Any, new_input_tokens: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    keys = _page_keys(cache, new_input_tokens, args, kwargs, pages=1)
+    return keys[0] if keys else None
 
 
 def around_prefetch_from_storage(original: Callable[..., Any], self: Any, request: Any, last_host_node_id: Any,
@@ -510,6 +522,12 @@ def around_prefetch_from_storage(original: Callable[..., Any], self: Any, reques
             if first is not None and not t.store.exists(first):
                 t.count("prefetch_probe_miss")
                 t._m_prefetch.labels("l3_probe_miss").inc()
+                # the lookup HiCache would have made still tells selective persistence about reuse
+                # (a continuation): without it a store left empty while dormant would stay so
+                prefix = args[1] if len(args) >= 2 else kwargs.get("prefix_keys")
+                keys = _page_keys(self, new_input_tokens, args, kwargs)
+                if keys:
+                    t.note_lookup(keys, 0, bool(prefix))
                 return None
         t.count("prefetch_admitted")
     result = original(self, request, last_host_node_id, new_input_tokens, *args, **kwargs)

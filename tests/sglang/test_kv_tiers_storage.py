@@ -227,6 +227,28 @@ def test_prefetch_is_not_started_when_its_first_page_is_not_in_l3(backend_factor
                                            storage_hit_end=64) is True
 
 
+def test_probe_miss_of_a_continuation_still_shows_reuse(backend_factory) -> None:
+    """Dormant (nothing written yet), every probe misses and no prefetch starts, so no L3 lookup
+    happens; the hook still tells the policy what the lookup would have (a request extending a
+    cached prefix), so the policy turns active and writes, instead of staying dormant for good."""
+    from kllm_plugins.plugins.kv_tiers import sglang_adapter as ad
+
+    b = backend_factory(min_reuse=2, write_all_below_pressure=True, reuse_window=4)
+    cache = _Cache({"turn1": ["a1", "a2"]})
+    for i in range(3):  # one-off prompts anchored at the root: misses, nothing reused
+        assert ad.around_prefetch_from_storage(_Cache.prefetch, cache, f"o{i}", "root",
+                                               list(range(100 * i, 100 * i + 64)), None, []) is None
+    assert b.t.snapshot()["write_mode"] == "dormant" and b.t.counts["prefetch_probe_miss"] == 3
+    tokens = list(range(5000, 5064))
+    assert ad.around_prefetch_from_storage(_Cache.prefetch, cache, "t2", "turn1", tokens, None, ["a1"]) is None
+    assert cache.calls == 0 and b.t.counts["prefetch_probe_miss"] == 4
+    assert b.t.snapshot()["write_mode"] == "active"
+    # the continuation's pages were noted as such (admitted at their first sighting under pressure)
+    keys = ad._page_keys(cache, tokens, (None,), {})
+    assert keys is not None and len(keys) == 4
+    assert all(b.t.persistence.continuations.count(k) == 1 for k in keys)
+
+
 def test_prefetch_hook_completes_the_prefix_keys_with_the_anchor_node(backend_factory) -> None:
     """SGLang passes the anchor's ancestors' keys only; a lookup anchored right under the root
     would look like a request that reuses nothing. The hook adds the anchor's own keys."""
