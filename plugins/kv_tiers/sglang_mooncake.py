@@ -18,7 +18,14 @@ What it adds to the stock backend:
 - faults never reach serving: a master unreachable at start or lost mid-run, a full store, a
   failed transfer are misses or refused writes, counted by reason
   (`kllm_kv_tiers_l3_faults_total{reason}`) and logged; the store is re-attached in the
-  background once its master answers again;
+  background once its master answers again (`close()` stops that thread);
+- a slow or stalled master costs a miss, not a stall (`core/bounded_calls.py`): existence checks
+  (the lookup, and the one that opens each write) wait at most `store_timeout_ms` (2000); a late
+  one starts a slow episode during which lookups, reads and writes are skipped at once (misses,
+  reason `store_slow`), logged once at its start and once at its end, the first check answered
+  in time ending it. Zero-copy reads and writes cannot be abandoned (the store would write into
+  or read from host pages HiCache has reused), so they run inline, are skipped during an
+  episode and start one when they take longer than the timeout;
 - L3 events: `BlockStored` with medium `EXTERNAL` for every page written;
 - shared sightings: an offer marker per page (a one-byte object in the same store,
   `core/shared_sightings.py`) lets a page's sighting on one instance count on every instance
@@ -43,6 +50,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeStore
 
 from kllm_plugins import metrics
+from kllm_plugins.plugins.kv_tiers.core.bounded_calls import BoundedCalls, StoreSlow
 from kllm_plugins.plugins.kv_tiers.core.file_store import StoreStats
 from kllm_plugins.plugins.kv_tiers.core.page_format import (
     PageError,
@@ -62,6 +70,10 @@ _FULL_CODES = {-200}  # Mooncake NO_AVAILABLE_HANDLE: no segment has room for th
 _STORE_ERROR = -800  # Mooncake codes at or below: transfer (8xx) and RPC (9xx) failures, not misses
 _FULL_MEMORY_S = 10.0  # a "full" answer counts as capacity pressure this long
 _ERRORS_TO_DOWN = 3  # consecutive failed calls after which the store is treated as lost
+
+
+class _Counted(RuntimeError):
+    """A store call answered with error codes, already counted and logged."""
 
 
 def master_reachable(address: str | None, timeout_s: float = 1.0) -> bool:
@@ -99,7 +111,10 @@ class KllmMooncakeStorage(MooncakeStore):
         self._errors = 0
         self._full_at = 0.0
         self._reattach: threading.Thread | None = None
+        self._stop = threading.Event()  # set by close() or when this backend is collected
+        weakref.finalize(self, self._stop.set)
         self._state_lock = threading.Lock()
+        self.bounded = BoundedCalls(float(extra.get("store_timeout_ms", 2000)) / 1e3, name="mooncake store")
         self.sightings: SharedSightings | None = None
         if bool(extra.get("shared_sightings", True)):
             self.sightings = SharedSightings(_MooncakeMarkers(self), float(extra.get("sightings_timeout_ms", 50)) / 1e3,
@@ -123,31 +138,40 @@ class KllmMooncakeStorage(MooncakeStore):
             self.t.fault(reason)
             logger.warning("kv_tiers mooncake store %s (%s): L3 off, prefixes are recomputed; "
                            "re-attaching every %.1f s", reason.replace("_", " "), detail, self.reconnect_s)
-            if self._reattach is None or not self._reattach.is_alive():
-                self._reattach = threading.Thread(target=self._reattach_loop, name="kllm-kv-tiers-mooncake",
-                                                  daemon=True)
+            if not self._stop.is_set() and (self._reattach is None or not self._reattach.is_alive()):
+                # the thread holds a weak reference only: it must not keep this client alive
+                self._reattach = threading.Thread(target=_reattach_loop, name="kllm-kv-tiers-mooncake",
+                                                  args=(weakref.ref(self), self._stop, self.reconnect_s), daemon=True)
                 self._reattach.start()
 
-    def _reattach_loop(self) -> None:
-        while not self.ready:
-            time.sleep(self.reconnect_s)
-            if not master_reachable(self.master_address):
-                continue
-            try:
-                MooncakeStore.__init__(self, self.kllm_storage_config, None)
-                if self.pool is not None:
-                    MooncakeStore.register_mem_pool_host(self, self.pool)
-            except Exception as exc:  # noqa: BLE001
-                logger.warning("kv_tiers mooncake store: re-attach failed (%s)", exc)
-                continue
-            self._errors = 0
-            self.ready = True
-            logger.info("kv_tiers mooncake store re-attached to %s", self.master_address)
+    def _try_reattach(self) -> bool:
+        if not master_reachable(self.master_address):
+            return False
+        try:
+            MooncakeStore.__init__(self, self.kllm_storage_config, None)
+            if self.pool is not None:
+                MooncakeStore.register_mem_pool_host(self, self.pool)
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("kv_tiers mooncake store: re-attach failed (%s)", str(exc))
+            return False
+        self._errors = 0
+        self.ready = True
+        logger.info("kv_tiers mooncake store re-attached to %s", self.master_address)
+        return True
+
+    def _skipped(self, op: str, exc: StoreSlow, n: int) -> None:
+        """A call not made, or given up, because the store is slow (logged per episode by `bounded`).
+        A late call to a master that no longer accepts connections means it is gone, not slow."""
+        self.t.fault("store_slow", n)
+        if exc.reason == "timeout" and self.ready and self.master_address is not None \
+                and not master_reachable(self.master_address):
+            self._down("store_lost", f"{op} unanswered, master {self.master_address} unreachable")
 
     def _call_failed(self, op: str, exc: BaseException | None, n: int) -> None:
         self.t.fault("store_error", n)
         self._errors += 1
-        logger.warning("kv_tiers mooncake store: %s of %d pages failed (%s); recomputing", op, n, exc or "error")
+        # the message, not the exception: a record kept by a handler must not hold this client
+        logger.warning("kv_tiers mooncake store: %s of %d pages failed (%s); recomputing", op, n, str(exc or "error"))
         if self._errors >= _ERRORS_TO_DOWN and self.ready and not master_reachable(self.master_address):
             self._down("store_lost", f"master {self.master_address} unreachable")
 
@@ -215,14 +239,23 @@ class KllmMooncakeStorage(MooncakeStore):
 
     # -- reads -------------------------------------------------------------------------------
 
+    def _lookup(self, keys: List[str], extra_info: Any) -> int:
+        n = MooncakeStore.batch_exists(self, keys, extra_info)
+        if self.verify and n:
+            have = self.store.batch_is_exist(self._record_keys(keys[:n]))
+            n = next((i for i, h in enumerate(have) if h != 1), n)
+        return n
+
     def batch_exists(self, keys: List[str], extra_info: Any = None) -> int:
         if not self.ready:
             return 0
         try:
-            n = MooncakeStore.batch_exists(self, keys, extra_info)
-            if self.verify and n:
-                have = self.store.batch_is_exist(self._record_keys(keys[:n]))
-                n = next((i for i, h in enumerate(have) if h != 1), n)
+            n = self.bounded.call("lookup", lambda: self._lookup(keys, extra_info))
+        except StoreSlow as exc:
+            self._skipped("lookup", exc, len(keys))
+            return 0
+        except _Counted:
+            return 0
         except Exception as exc:  # noqa: BLE001
             self._call_failed("lookup", exc, len(keys))
             return 0
@@ -234,11 +267,13 @@ class KllmMooncakeStorage(MooncakeStore):
         return n
 
     def _batch_exist(self, key_strs: List[str]) -> List[int]:
-        codes = MooncakeStore._batch_exist(self, key_strs)
+        # bounded: a lookup's own check runs inside its bounded call; a write's opens the write
+        codes = self.bounded.call("lookup", lambda: MooncakeStore._batch_exist(self, key_strs))
         bad = [c for c in codes if c <= _STORE_ERROR]
         if bad:
             self._call_failed("lookup", RuntimeError(f"codes {sorted(set(bad))}"), len(key_strs))
-            return [0] * len(key_strs)
+            # raised, not zeros: an error answer must not end a slow episode as an answer in time
+            raise _Counted(f"codes {sorted(set(bad))}")
         self._errors = 0
         return codes
 
@@ -253,6 +288,9 @@ class KllmMooncakeStorage(MooncakeStore):
     def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info: Any = None) -> List[bool]:
         if not self.ready:
             return [False] * len(keys)
+        if not self.bounded.admit("read"):
+            self._skipped("read", StoreSlow("slow", "read"), len(keys))
+            return [False] * len(keys)
         t0 = time.perf_counter()
         try:
             ok = list(MooncakeStore.batch_get_v1(self, keys, host_indices, extra_info))
@@ -266,6 +304,8 @@ class KllmMooncakeStorage(MooncakeStore):
         except Exception as exc:  # noqa: BLE001
             self._call_failed("read", exc, len(keys))
             return [False] * len(keys)
+        finally:
+            self.bounded.observe("read", time.perf_counter() - t0)
         hits = next((i for i, v in enumerate(ok) if not v), len(ok))
         with self.t._lock:
             self.stats.gets += len(keys)
@@ -303,6 +343,9 @@ class KllmMooncakeStorage(MooncakeStore):
         if not self.ready:
             self.t.fault("store_down", len(keys))
             return [False] * len(keys)
+        if not self.bounded.admit("write"):
+            self._skipped("write", StoreSlow("slow", "write"), len(keys))
+            return [False] * len(keys)
         fill = 1.0 if time.monotonic() - self._full_at < _FULL_MEMORY_S else 0.0
         busy = self.t.write_busy.fraction()
         shared = self._note_offered(list(keys), fill, busy)
@@ -323,14 +366,23 @@ class KllmMooncakeStorage(MooncakeStore):
                 crcs = self._page_crcs(host_indices, written)
                 recs = [encode_record(self.namespace_digest, k, n, c) for k, (n, c) in zip(keys[:written], crcs)]
                 rkeys = self._record_keys(keys[:written])
-                have = self.store.batch_is_exist(rkeys)
+                # bounded (checks, and records held by the call itself): safe to abandon
+                have = self.bounded.call("write", lambda: self.store.batch_is_exist(rkeys))
                 todo = [(k, r) for k, r, h in zip(rkeys, recs, have) if h != 1]
-                if todo and self.store.put_batch([k for k, _ in todo], [r for _, r in todo]) != 0:
+                if todo and self.bounded.call("write", lambda: self.store.put_batch(
+                        [k for k, _ in todo], [r for _, r in todo])) != 0:
                     written = 0  # pages without records are never served; report them unwritten
                     ok = [False] * a
+        except StoreSlow as exc:  # a check or the records were late: pages without records are never served
+            self._skipped("write", exc, len(keys))
+            return [False] * len(keys)
+        except _Counted:
+            return [False] * len(keys)
         except Exception as exc:  # noqa: BLE001
+            self.bounded.observe("write", time.perf_counter() - t0)
             self._call_failed("write", exc, a)
             return [False] * len(keys)
+        self.bounded.observe("write", time.perf_counter() - t0)
         self.t.write_busy.add(time.perf_counter() - t0)
         if written:
             self._errors = 0
@@ -363,15 +415,38 @@ class KllmMooncakeStorage(MooncakeStore):
 
     def clear(self) -> None:
         if self.ready:
-            MooncakeStore.clear(self)
+            try:
+                self.bounded.call("clear", lambda: MooncakeStore.clear(self))
+            except StoreSlow:
+                logger.warning("kv_tiers mooncake store: L3 not cleared (the store is slow)")
 
     def close(self) -> None:
+        """Stop the background threads and release the Mooncake client now (not at exit)."""
+        self._stop.set()
+        self.ready = False
         if self.sightings is not None:
             self.sightings.close()
         MooncakeStore.close(self)
+        store, self.store = getattr(self, "store", None), None
+        # a client still inside a late call is left to its destructor, not closed under it
+        if store is not None and not self.bounded.pending:
+            try:
+                store.close()
+            except Exception as exc:  # noqa: BLE001 - closing a client of a lost master
+                logger.debug("kv_tiers mooncake store: close failed (%s)", exc)
 
     def get_stats(self) -> Any:
         return MooncakeStore.get_stats(self) if self.ready else None
+
+
+def _reattach_loop(ref: "weakref.ref[KllmMooncakeStorage]", stop: threading.Event, every_s: float) -> None:
+    """Re-attach the backend behind `ref` once its master answers; ends when it is attached,
+    closed or collected."""
+    while not stop.wait(every_s):
+        backend = ref()
+        if backend is None or backend.ready or backend._try_reattach():
+            return
+        del backend
 
 
 def _m_sightings() -> Any:

@@ -4,17 +4,21 @@ SGLang's own `MooncakeStore` does the I/O (zero-copy `batch_*_v1` into a host po
 pool is a stand-in with the page_first_direct pointer arithmetic of SGLang's MHA host pool.
 Checked here: selective persistence, measured reads feeding fetch-or-recompute, page records
 refusing corrupt and foreign pages, a full store, the master down at start, lost mid-run and
-back, EXTERNAL tier events, cross-instance reads (a second client sees the first's pages), and
-shared sightings: offer markers in the store let a page seen once on each of two clients be
-written by the second; a master gone or stalled leaves sightings local (counted, no delay).
+back, stalled (a miss within the call timeout, not a 30 s wait) and then resumed or killed, a
+dropped or closed backend stopping its re-attach thread, EXTERNAL tier events, cross-instance
+reads (a second client sees the first's pages), and shared sightings: offer markers in the
+store let a page seen once on each of two clients be written by the second; a master gone or
+stalled leaves sightings local (counted, no delay).
 """
 from __future__ import annotations
 
+import gc
 import hashlib
 import os
 import signal
 import subprocess
 import time
+import weakref
 from typing import Any, Iterator
 
 import pytest
@@ -60,9 +64,10 @@ class _HostPool:
 
 
 def _start_master(log: Any, rpc: int, http: int, extra: tuple[str, ...] = ()) -> subprocess.Popen:
+    # a free metrics port too: its default (9003) would collide with any other master on the machine
     proc = subprocess.Popen(
         [mooncake_master_path(), f"-rpc_port={rpc}", "-enable_http_metadata_server=true",
-         f"-http_metadata_server_port={http}", *extra],
+         f"-http_metadata_server_port={http}", f"-metrics_port={free_port()}", *extra],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 20
     from kllm_plugins.plugins.kv_tiers.sglang_mooncake import master_reachable
@@ -107,6 +112,8 @@ def make(master, monkeypatch):
     from kllm_plugins.plugins.kv_tiers import sglang_adapter
     from kllm_plugins.plugins.kv_tiers.sglang_mooncake import KllmMooncakeStorage
 
+    built: list[weakref.ref[Any]] = []
+
     def build(model: str = "tiny-llama", fresh: bool = True, pool: _HostPool | None = None,
               **extra: Any) -> tuple[Any, _HostPool]:
         if fresh:
@@ -116,15 +123,26 @@ def make(master, monkeypatch):
                "metadata_server": f"http://127.0.0.1:{master['http']}/metadata", "protocol": "tcp",
                "device_name": "", "global_segment_size": 16 << 20, "local_hostname": "127.0.0.1",
                "check_server": False, "reconnect_s": 0.5,
+               # patient store calls, except where a test is about a slow store
+               "store_timeout_ms": 10_000,
                # these tests pin down the selective rule itself (sightings, pressure), not the default
                # of writing everything while the store has room
                "write_all_below_pressure": False, **extra}
         b = KllmMooncakeStorage(_storage_config(cfg, model), {})
+        built.append(weakref.ref(b))
         pool = pool or _HostPool()
         b.register_mem_pool_host(pool)
         return b, pool
 
-    return build
+    yield build
+    # stop the clients (and their threads) here, not at interpreter exit; a client whose master
+    # is gone takes ~12 s to close, one with a master (even a restarted one) does not
+    if master["proc"].poll() is not None:
+        master["proc"] = _start_master(master["log"], master["rpc"], master["http"])
+    for ref in built:
+        b = ref()
+        if b is not None:
+            b.close()
 
 
 def _keys(n: int, tag: str) -> list[str]:
@@ -358,3 +376,92 @@ def test_sightings_of_another_layout_do_not_count(make) -> None:
     assert _write(b, pool_b, keys) == [True, True]
     assert b.t.counts["pages_admitted"] == 0 and b.t.counts.get("sightings_shared", 0) == 0
     assert b.sightings.stats["checked"] == 2
+
+
+# -- a slow or stalled master ---------------------------------------------------------------------
+
+
+def test_stalled_master_costs_misses_not_stalls(master, make, caplog) -> None:
+    b, pool = make(min_reuse=1, store_timeout_ms=300)
+    keys, more = _keys(2, "st"), _keys(2, "st2")
+    assert _write(b, pool, keys) == [True, True]
+    want = [pool.page(p) for p in range(2)]
+    os.killpg(master["proc"].pid, signal.SIGSTOP)  # TCP still connects; RPCs wait ~30 s for a timeout
+    try:
+        t0 = time.monotonic()
+        with caplog.at_level("INFO", logger="kllm.kv_tiers"):
+            assert b.batch_exists(keys) == 0  # given up after 300 ms: a miss
+            assert b.batch_get_v1(keys, _idx(10, 2)) == [False, False]  # skipped at once
+            assert _write(b, pool, more) == [False, False]  # skipped at once
+            assert b.batch_exists(more) == 0  # the first lookup is still unanswered: not sent
+        elapsed = time.monotonic() - t0
+    finally:
+        os.killpg(master["proc"].pid, signal.SIGCONT)
+    assert elapsed < 10, elapsed  # one 300 ms wait, not four 30 s ones
+    faults = b.t.snapshot()["store"]["faults"]
+    assert faults == {"store_slow": 8}, faults  # 2 pages x (late lookup, read, write, lookup)
+    assert b.ready and caplog.text.count("mooncake store slow") == 1
+    # resumed: the stuck lookup returns, the next one is answered in time, L3 serves again
+    deadline = time.monotonic() + 60
+    with caplog.at_level("INFO", logger="kllm.kv_tiers"):
+        while b.batch_exists(keys) != 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+    assert "mooncake store back" in caplog.text
+    assert b.batch_get_v1(keys, _idx(10, 2)) == [True, True]
+    assert torch.equal(pool.page(10), want[0]) and torch.equal(pool.page(11), want[1])
+    assert _write(b, pool, more) == [True, True] and b.batch_exists(more) == 2
+
+
+def test_stalled_then_killed_master_is_lost_then_reattached(master, make, caplog) -> None:
+    b, pool = make(min_reuse=1, store_timeout_ms=300)
+    keys = _keys(2, "sk")
+    os.killpg(master["proc"].pid, signal.SIGSTOP)
+    with caplog.at_level("WARNING", logger="kllm.kv_tiers"):
+        assert b.batch_exists(keys) == 0
+        assert b.ready and b.bounded.slow  # stalled: slow, not lost (it still accepts connections)
+        _stop(master["proc"])  # SIGKILL works on a stopped process
+        deadline = time.monotonic() + 30
+        while b.ready:  # further lookups: errors or late calls to a master that refuses connections
+            assert b.batch_exists(keys) == 0
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    assert b.t.snapshot()["store"]["faults"].get("store_lost") == 1 and "store lost" in caplog.text
+    master["proc"] = _start_master(master["log"], master["rpc"], master["http"])
+    deadline = time.monotonic() + 60
+    while not b.ready:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    deadline = time.monotonic() + 30
+    while b.bounded.slow:  # the episode of the stall ends with the first lookup answered in time
+        assert b.batch_exists(keys) == 0 and time.monotonic() < deadline
+        time.sleep(0.2)
+    assert _write(b, pool, keys) == [True, True] and b.batch_exists(keys) == 2
+
+
+def test_reattach_thread_neither_keeps_the_backend_alive_nor_outlives_close(master, make) -> None:
+    keys = _keys(1, "gone")
+    a, _ = make(min_reuse=1, reconnect_s=60, store_timeout_ms=300)
+    b, _ = make(min_reuse=1, reconnect_s=60, store_timeout_ms=300)
+    _stop(master["proc"])
+    for backend in (a, b):
+        while backend.ready:
+            assert backend.batch_exists(keys) == 0
+    del backend
+    threads = [a._reattach, b._reattach]
+    assert all(t is not None and t.is_alive() for t in threads)
+    # a master again, so that the clients close quickly (with none, each close waits ~12 s)
+    master["proc"] = _start_master(master["log"], master["rpc"], master["http"])
+    a.close()
+    threads[0].join(10)
+    assert not threads[0].is_alive() and a.store is None
+    deadline = time.monotonic() + 60
+    while b.bounded.pending:  # a late lookup holds the backend until the client gives up on it
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    ref = weakref.ref(b)
+    del b
+    gc.collect()
+    assert ref() is None  # the re-attach thread held it until exit (then ~12 s of client teardown)
+    threads[1].join(10)
+    assert not threads[1].is_alive()
