@@ -52,13 +52,16 @@ def mooncake_available() -> bool:
 @contextmanager
 def mooncake_master(*flags: str) -> Iterator[dict[str, Any]]:
     """A `mooncake_master` (non-CUDA build, TCP, HTTP metadata server) on free ports."""
-    rpc, http = free_port(), free_port()
+    # the metrics/admin server defaults to port 9003: a free one, so that two masters (or anything
+    # else on 9003) never collide
+    rpc, http, metrics = free_port(), free_port(), free_port()
     log = tempfile.NamedTemporaryFile(prefix="mooncake-master-", suffix=".log", delete=False)
     exe = mooncake_master_path()
     if exe is None:
         raise RuntimeError("mooncake_master not found (pip install mooncake-transfer-engine-non-cuda)")
     proc = subprocess.Popen([exe, f"-rpc_port={rpc}", "-enable_http_metadata_server=true",
-                             f"-http_metadata_server_port={http}", *flags],
+                             f"-http_metadata_server_port={http}",
+                             f"-metrics_port={metrics}", *flags],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 20
     while True:
