@@ -89,6 +89,7 @@ def test_stalled_master_costs_misses_not_stalls() -> None:
             took.append(dt)
             assert out["output_ids"] == ref[i] and out["meta_info"]["cached_tokens"] == 0
         assert max(took) < BOUND_S, took
+        print(f"requests during the stall took {[round(t, 2) for t in took]} s")  # shown with -s
         snap = _wait(server, lambda s: s["store"]["faults"].get("store_slow", 0) > slow0)
         assert snap["store"]["faults"].get("store_slow", 0) > slow0, snap
         assert len(server.grep_log("kv_tiers mooncake store slow")) == lines0 + 1  # one line per episode
