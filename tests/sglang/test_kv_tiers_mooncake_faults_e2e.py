@@ -27,7 +27,7 @@ import pytest
 from kllm_plugins.models.tiny_llama import tiny_llama_path
 from kllm_plugins.testing.hf_reference import hf_greedy
 from kllm_plugins.testing.kv_tiers import flush, kv_tiers_stats, l3_args, mooncake_available, mooncake_master
-from kllm_plugins.testing.sglang_server import SGLangServer, free_port
+from kllm_plugins.testing.sglang_server import SGLangServer
 
 pytestmark = [pytest.mark.sglang, pytest.mark.e2e]
 
@@ -62,7 +62,7 @@ def test_stalled_master_costs_misses_not_stalls() -> None:
         pytest.skip("mooncake not installed (pip mooncake-transfer-engine-non-cuda)")
     ref = hf_greedy(tiny_llama_path(), PROMPTS, NEW)
     with ExitStack() as stack:
-        master = stack.enter_context(mooncake_master(f"-metrics_port={free_port()}"))  # not the fixed 9003
+        master = stack.enter_context(mooncake_master())
         pid = master["proc"].pid
         server = SGLangServer(tiny_llama_path(), plugins=["kv_tiers"], env=ENV, startup_timeout_s=300,
                               extra_args=ARGS + l3_args("kllm_mooncake", master))

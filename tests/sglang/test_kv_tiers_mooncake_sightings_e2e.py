@@ -17,7 +17,7 @@ import pytest
 from kllm_plugins.models.tiny_llama import tiny_llama_path
 from kllm_plugins.testing.hf_reference import hf_greedy
 from kllm_plugins.testing.kv_tiers import flush, kv_tiers_stats, l3_args, mooncake_available, mooncake_master
-from kllm_plugins.testing.sglang_server import SGLangServer, free_port, start_all
+from kllm_plugins.testing.sglang_server import SGLangServer, start_all
 
 pytestmark = [pytest.mark.sglang, pytest.mark.e2e]
 
@@ -44,7 +44,7 @@ def test_prefix_seen_once_on_each_server_is_shared_through_mooncake() -> None:
         pytest.skip("mooncake not installed (pip mooncake-transfer-engine-non-cuda)")
     ref = hf_greedy(tiny_llama_path(), [PROMPT], 6)[0]
     with ExitStack() as stack:
-        master = stack.enter_context(mooncake_master(f"-metrics_port={free_port()}"))  # not the fixed 9003
+        master = stack.enter_context(mooncake_master())
         # a patient marker check and store calls: two servers on two busy cores must not turn a
         # shared sighting into a local one, or a lookup into a miss, by a timeout (those paths have
         # their own tests against a stalled master)
