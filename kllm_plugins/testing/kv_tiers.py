@@ -16,7 +16,7 @@ import time
 import urllib.error
 import urllib.request
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from kllm_plugins.testing.sglang_server import free_port
 
@@ -128,3 +128,14 @@ def kv_tiers_stats(server: Any) -> dict[str, Any]:
     """The kv_tiers snapshot of a one-process server from GET /kllm/stats ({} if none yet)."""
     procs = server.get_json("/kllm/stats").get("kv_tiers", {}).get("processes", {})
     return next(iter(procs.values()), {})
+
+
+def wait_stats(server: Any, pred: Callable[[dict[str, Any]], bool], timeout_s: float) -> dict[str, Any]:
+    """Poll `kv_tiers_stats` until `pred` holds or `timeout_s` passes; the last snapshot either way
+    (the caller asserts on it, so a timeout shows what was reached)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        snap = kv_tiers_stats(server)
+        if (snap and pred(snap)) or time.monotonic() > deadline:
+            return snap
+        time.sleep(0.3)

@@ -19,14 +19,14 @@ import shutil
 import signal
 import time
 from contextlib import ExitStack
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
 import pytest
 
 from kllm_plugins.models.tiny_llama import tiny_llama_path
 from kllm_plugins.testing.hf_reference import hf_greedy
-from kllm_plugins.testing.kv_tiers import flush, kv_tiers_stats, l3_args, mooncake_available, mooncake_master
+from kllm_plugins.testing.kv_tiers import flush, l3_args, mooncake_available, mooncake_master, wait_stats
 from kllm_plugins.testing.sglang_server import SGLangServer, free_port, start_all
 
 pytestmark = [pytest.mark.sglang, pytest.mark.e2e]
@@ -35,13 +35,8 @@ PROMPT = list(range(20, 320))  # 300 tokens: 18 full pages of 16
 PAGES = 18
 
 
-def _wait(server: SGLangServer, pred: Any, timeout_s: float = 15.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        snap = kv_tiers_stats(server)
-        if (snap and pred(snap)) or time.monotonic() > deadline:
-            return snap
-        time.sleep(0.3)
+def _wait(server: SGLangServer, pred: Callable[[dict[str, Any]], bool], timeout_s: float = 15.0) -> dict[str, Any]:
+    return wait_stats(server, pred, timeout_s)
 
 
 def _servers(args: list[str], env: dict[str, str], stack: ExitStack,

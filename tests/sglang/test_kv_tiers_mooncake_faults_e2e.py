@@ -26,7 +26,7 @@ import pytest
 
 from kllm_plugins.models.tiny_llama import tiny_llama_path
 from kllm_plugins.testing.hf_reference import hf_greedy
-from kllm_plugins.testing.kv_tiers import flush, kv_tiers_stats, l3_args, mooncake_available, mooncake_master
+from kllm_plugins.testing.kv_tiers import flush, kv_tiers_stats, l3_args, mooncake_available, mooncake_master, wait_stats
 from kllm_plugins.testing.sglang_server import SGLangServer
 
 pytestmark = [pytest.mark.sglang, pytest.mark.e2e]
@@ -43,12 +43,7 @@ ENV = {"KLLM_EXTRA_PLUGINS": "kllm_plugins.plugins.kv_tiers.hookimpls",
 
 
 def _wait(server: SGLangServer, pred: Callable[[dict[str, Any]], bool], timeout_s: float = 30.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        snap = kv_tiers_stats(server)
-        if (snap and pred(snap)) or time.monotonic() > deadline:
-            return snap
-        time.sleep(0.3)
+    return wait_stats(server, pred, timeout_s)
 
 
 def _timed(server: SGLangServer, prompt: list[int]) -> tuple[dict[str, Any], float]:

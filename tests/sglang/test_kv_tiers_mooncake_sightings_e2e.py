@@ -8,15 +8,14 @@ output (float32), i.e. to a run without tiers.
 """
 from __future__ import annotations
 
-import time
 from contextlib import ExitStack
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 
 from kllm_plugins.models.tiny_llama import tiny_llama_path
 from kllm_plugins.testing.hf_reference import hf_greedy
-from kllm_plugins.testing.kv_tiers import flush, kv_tiers_stats, l3_args, mooncake_available, mooncake_master
+from kllm_plugins.testing.kv_tiers import flush, l3_args, mooncake_available, mooncake_master, wait_stats
 from kllm_plugins.testing.sglang_server import SGLangServer, start_all
 
 pytestmark = [pytest.mark.sglang, pytest.mark.e2e]
@@ -30,13 +29,8 @@ ENV = {"KLLM_EXTRA_PLUGINS": "kllm_plugins.plugins.kv_tiers.hookimpls",
        "KLLM_KV_TIERS_MIN_REUSE": "2", "KLLM_KV_TIERS_WRITE_ALL_BELOW_PRESSURE": "false"}
 
 
-def _wait(server: SGLangServer, pred: Any, timeout_s: float = 20.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        snap = kv_tiers_stats(server)
-        if (snap and pred(snap)) or time.monotonic() > deadline:
-            return snap
-        time.sleep(0.3)
+def _wait(server: SGLangServer, pred: Callable[[dict[str, Any]], bool], timeout_s: float = 20.0) -> dict[str, Any]:
+    return wait_stats(server, pred, timeout_s)
 
 
 def test_prefix_seen_once_on_each_server_is_shared_through_mooncake() -> None:
