@@ -139,3 +139,16 @@ def wait_stats(server: Any, pred: Callable[[dict[str, Any]], bool], timeout_s: f
         if (snap and pred(snap)) or time.monotonic() > deadline:
             return snap
         time.sleep(0.3)
+
+
+
+def assert_loads_from_l3(server: Any, prompt: list[int], ref: list[int], pages: int, page_size: int,
+                         timeout_s: float) -> None:
+    """Flush `server`'s device and host caches, send `prompt` again and assert that its output is `ref`
+    and that at least `pages` pages came from L3 (cached tokens, store hits, no store fault)."""
+    flush(server.base_url)
+    out = server.generate(input_ids=prompt, max_new_tokens=len(ref))
+    assert out["output_ids"] == ref
+    assert out["meta_info"]["cached_tokens"] >= pages * page_size, out["meta_info"]
+    snap = wait_stats(server, lambda s: s["store"]["hits"] >= pages, timeout_s)
+    assert snap["store"]["hits"] >= pages and not snap["store"]["faults"], snap

@@ -26,7 +26,7 @@ import pytest
 
 from kllm_plugins.models.tiny_llama import tiny_llama_path
 from kllm_plugins.testing.hf_reference import hf_greedy
-from kllm_plugins.testing.kv_tiers import flush, l3_args, mooncake_available, mooncake_master, wait_stats
+from kllm_plugins.testing.kv_tiers import assert_loads_from_l3, flush, l3_args, mooncake_available, mooncake_master, wait_stats
 from kllm_plugins.testing.sglang_server import SGLangServer, free_port, start_all
 
 pytestmark = [pytest.mark.sglang, pytest.mark.e2e]
@@ -93,12 +93,7 @@ def test_file_store_shared_by_two_servers(tmp_path) -> None:
             snap_b = _wait(b, lambda s: s["pages_admitted"] >= PAGES)  # second sighting, on B
             assert snap_b["pages_admitted"] >= PAGES, snap_b
 
-            flush(a.base_url)
-            out = a.generate(input_ids=PROMPT, max_new_tokens=6)  # A loads what B wrote
-            assert out["output_ids"] == ref
-            assert out["meta_info"]["cached_tokens"] >= PAGES * 16, out["meta_info"]
-            snap_a = _wait(a, lambda s: s["store"]["hits"] >= PAGES)
-            assert snap_a["store"]["hits"] >= PAGES and not snap_a["store"]["faults"], snap_a
+            assert_loads_from_l3(a, PROMPT, ref, PAGES, 16, 15.0)  # A loads what B wrote
 
             files = sorted(store.rglob("*.kvp"))
             assert len(files) >= PAGES
