@@ -84,14 +84,17 @@ class _Tiers:
         self.write_busy = BusyMeter()
         self.events: TierEventLog | None = None
         self.store: FilePageStore | None = None
+        # whether the first page a prefetch would look up is in L3 (set by the backend: the file
+        # store's existence check, Mooncake's bounded one); None = no probe, HiCache's lookup decides
+        self.probe: Callable[[str], bool] | None = None
         self.backend_stats: StoreStats | None = None  # a store other than the file store (Mooncake)
         self.backend_name = "file"
         self.counts: dict[str, int] = {"prefetch_admitted": 0, "prefetch_refused": 0,
                                        "pages_skipped": 0, "pages_admitted": 0}
         # wall seconds and calls spent in this plugin's L3 path (lookups, reads, writes incl. offer
         # markers): what a workload pays for the tiers beyond HiCache itself
-        self.path_s: dict[str, float] = {"lookup": 0.0, "read": 0.0, "write": 0.0, "l2_backup": 0.0}
-        self.path_calls: dict[str, int] = {"lookup": 0, "read": 0, "write": 0, "l2_backup": 0}
+        self.path_s: dict[str, float] = {"lookup": 0.0, "read": 0.0, "write": 0.0, "l2_backup": 0.0, "probe": 0.0}
+        self.path_calls: dict[str, int] = {"lookup": 0, "read": 0, "write": 0, "l2_backup": 0, "probe": 0}
         # L3 prefetches in flight: request handle -> start time, and the time the scheduler first
         # wanted to run the request but had to wait for its prefetch (HiCache's default "timeout"
         # stop policy): from then to done is what an L3 fetch delays the request (time spent
@@ -292,6 +295,7 @@ class KllmFileStorage(HiCacheStorage):
             on_remove=lambda k: t.events.record("removed", "DISK", [k]) if t.events is not None else None,
         )
         t.store = self.store
+        t.probe = self.store.exists
         t.ensure_fetch_policy(self.page_nbytes // max(1, page_size))
         logger.info("kv_tiers L3 file store at %s (namespace %s, capacity %.1f GiB, %d pages adopted)",
                     self.store.folder, namespace, self.capacity_bytes / (1 << 30), len(self.store))
@@ -498,42 +502,70 @@ def _first_page_key(cache: Any, new_input_tokens: Any, args: tuple[Any, ...], kw
 
 def around_prefetch_from_storage(original: Callable[..., Any], self: Any, request: Any, last_host_node_id: Any,
                                  new_input_tokens: list[int], *args: Any, **kwargs: Any) -> Any:
+    """Before HiCache starts an L3 prefetch for a queued request: with adaptive thresholds, set the
+    prefetch threshold from the break-even length and apply the in-flight budget; with or without
+    them, probe the first page and start no prefetch for a certain miss."""
     t = tiers()
-    if t.fetch is None or not t.cfg.adaptive_thresholds:
+    adaptive = t.fetch is not None and t.cfg.adaptive_thresholds
+    if not adaptive and t.probe is None:
         return original(self, request, last_host_node_id, new_input_tokens, *args, **kwargs)
     args, kwargs = _full_prefix_keys(self, last_host_node_id, args, kwargs)
-    min_tokens = t.fetch.min_fetch_tokens("l3")
-    t.note_threshold("l3", min_tokens)
-    page = int(getattr(self, "page_size", 1))
-    self.prefetch_threshold = max(page, _NO_FETCH_THRESHOLD if min_tokens == float("inf") else int(min_tokens))
+    if adaptive:
+        assert t.fetch is not None
+        min_tokens = t.fetch.min_fetch_tokens("l3")
+        t.note_threshold("l3", min_tokens)
+        page = int(getattr(self, "page_size", 1))
+        self.prefetch_threshold = max(page, _NO_FETCH_THRESHOLD if min_tokens == float("inf") else int(min_tokens))
     already = request in (getattr(self, "ongoing_prefetch", None) or {})
+    if not adaptive and (already or len(new_input_tokens) < int(getattr(self, "prefetch_threshold", 0) or 0)):
+        # HiCache's own threshold declines it (or it runs already): nothing to probe or track
+        return original(self, request, last_host_node_id, new_input_tokens, *args, **kwargs)
     if not already:
-        ops, tokens = _inflight(self)
-        d = t.gate.decide(len(new_input_tokens), min_tokens, ops, tokens)
-        t._m_prefetch.labels(d.reason).inc()
-        if not d.admit:
-            t.count("prefetch_refused")
-            return None
-        # Probe the first page before starting a prefetch: under HiCache's default "timeout" stop
-        # policy a request whose prefetch finds nothing still waits for it, about the timeout
-        # (~1 s measured here), so a certain miss is not worth starting (the prefix is recomputed).
-        if t.store is not None and kwargs.get("storage_hit_end") is None:
-            first = _first_page_key(self, new_input_tokens, args, kwargs)
-            if first is not None and not t.store.exists(first):
-                t.count("prefetch_probe_miss")
-                t._m_prefetch.labels("l3_probe_miss").inc()
-                # the lookup HiCache would have made still tells selective persistence about reuse
-                # (a continuation): without it a store left empty while dormant would stay so
-                prefix = args[1] if len(args) >= 2 else kwargs.get("prefix_keys")
-                keys = _page_keys(self, new_input_tokens, args, kwargs)
-                if keys:
-                    t.note_lookup(keys, 0, bool(prefix))
+        if adaptive:
+            ops, tokens = _inflight(self)
+            d = t.gate.decide(len(new_input_tokens), min_tokens, ops, tokens)
+            t._m_prefetch.labels(d.reason).inc()
+            if not d.admit:
+                t.count("prefetch_refused")
                 return None
+        if _probe_misses(t, self, new_input_tokens, args, kwargs):
+            return None
         t.count("prefetch_admitted")
     result = original(self, request, last_host_node_id, new_input_tokens, *args, **kwargs)
     if not already and request in (getattr(self, "ongoing_prefetch", None) or {}):
         t.prefetch_begun(request)
     return result
+
+
+def _probe_misses(t: _Tiers, cache: Any, new_input_tokens: Any, args: tuple[Any, ...],
+                  kwargs: dict[str, Any]) -> bool:
+    """Probe the first page a prefetch would look up; True = not in L3 (start no prefetch).
+
+    Under HiCache's default "timeout" stop policy a request whose prefetch finds nothing still
+    waits for it, about the timeout (1 s + 0.25 s per 1K tokens; 1.15-1.56 s measured), so a
+    certain miss is not worth starting: the prefix is recomputed at once. A prefetch re-issued for
+    a known hit (`storage_hit_end`) is not probed again."""
+    if t.probe is None or kwargs.get("storage_hit_end") is not None:
+        return False
+    first = _first_page_key(cache, new_input_tokens, args, kwargs)
+    if first is None:
+        return False
+    t0 = time.perf_counter()
+    try:
+        found = t.probe(first)
+    finally:
+        t.spent("probe", time.perf_counter() - t0)
+    if found:
+        return False
+    t.count("prefetch_probe_miss")
+    t._m_prefetch.labels("l3_probe_miss").inc()
+    # the lookup HiCache would have made still tells selective persistence about reuse (a
+    # continuation): without it a store left empty while dormant would stay so
+    prefix = args[1] if len(args) >= 2 else kwargs.get("prefix_keys")
+    keys = _page_keys(cache, new_input_tokens, args, kwargs)
+    if keys:
+        t.note_lookup(keys, 0, bool(prefix))
+    return True
 
 
 def after_check_prefetch_progress(result: Any, self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:

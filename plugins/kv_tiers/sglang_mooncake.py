@@ -26,6 +26,12 @@ What it adds to the stock backend:
   in time ending it. Zero-copy reads and writes cannot be abandoned (the store would write into
   or read from host pages HiCache has reused), so they run inline, are skipped during an
   episode and start one when they take longer than the timeout;
+- a first-page probe (`probe`, extra keys `l3_probe`, default true, and `probe_timeout_ms`,
+  default 50): the prefetch hook asks it whether the first page a prefetch would look up is in
+  the store and starts no prefetch for a certain miss (under HiCache's default `timeout` policy
+  a prefetch that finds nothing holds its request). It is a lookup of one page; the scheduler
+  thread waits for it at most `probe_timeout_ms` (unanswered: the prefetch starts, and HiCache's
+  bounded lookup decides), and during a slow episode it answers a miss at once;
 - L3 events: `BlockStored` with medium `EXTERNAL` for every page written;
 - shared sightings: an offer marker per page (a one-byte object in the same store,
   `core/shared_sightings.py`) lets a page's sighting on one instance count on every instance
@@ -115,6 +121,8 @@ class KllmMooncakeStorage(MooncakeStore):
         weakref.finalize(self, self._stop.set)
         self._state_lock = threading.Lock()
         self.bounded = BoundedCalls(float(extra.get("store_timeout_ms", 2000)) / 1e3, name="mooncake store")
+        self.probe_enabled = bool(extra.get("l3_probe", True))
+        self.probe_wait_s = float(extra.get("probe_timeout_ms", 50)) / 1e3
         self.sightings: SharedSightings | None = None
         if bool(extra.get("shared_sightings", True)):
             self.sightings = SharedSightings(_MooncakeMarkers(self), float(extra.get("sightings_timeout_ms", 50)) / 1e3,
@@ -189,6 +197,8 @@ class KllmMooncakeStorage(MooncakeStore):
         self.namespace_digest = digest16(namespace)
         self.t.events = self.t.events or TierEventLog(self.t.instance_id, page)
         self.t.ensure_fetch_policy(max(1, self.page_nbytes // max(1, page)))
+        if self.probe_enabled:
+            self.t.probe = _weak_probe(self)
         if self.ready:
             MooncakeStore.register_mem_pool_host(self, mem_pool_host)
         else:
@@ -265,6 +275,30 @@ class KllmMooncakeStorage(MooncakeStore):
             if n or extends_cached_prefix(extra_info):
                 self.t.persistence.note_continuation(keys[n:])
         return n
+
+    def probe(self, key: str) -> bool:
+        """Whether the page under HiCache storage key `key` may be in the store; False = a certain
+        miss (the prefetch hook then starts no prefetch). The check is the one a lookup of the page
+        makes (`_lookup`: its K and V objects, keyed by `MooncakeStore.batch_exists`, and its
+        record), run by `bounded.try_call`: the caller (the scheduler thread) waits at most
+        `probe_timeout_ms` (50). Not answered by then: True, HiCache's lookup decides on its own
+        thread, bounded by `store_timeout_ms` (a stall is judged there, not here). During a slow
+        episode: False at once, counted `store_slow`. Store down or failing: False (failures
+        counted as for lookups)."""
+        if not self.ready:
+            return False
+        try:
+            return self.bounded.try_call("probe", lambda: self._lookup([key], None), self.probe_wait_s) == 1
+        except StoreSlow as exc:
+            if exc.reason == "pending":
+                self.t.count("probe_unanswered")
+                return True
+            self._skipped("lookup", exc, 1)
+        except _Counted:
+            pass
+        except Exception as exc:  # noqa: BLE001
+            self._call_failed("lookup", exc, 1)
+        return False
 
     def _batch_exist(self, key_strs: List[str]) -> List[int]:
         # bounded: a lookup's own check runs inside its bounded call; a write's opens the write
@@ -447,6 +481,18 @@ def _reattach_loop(ref: "weakref.ref[KllmMooncakeStorage]", stop: threading.Even
         if backend is None or backend.ready or backend._try_reattach():
             return
         del backend
+
+
+def _weak_probe(backend: KllmMooncakeStorage) -> Callable[[str], bool]:
+    """The backend's probe for the process-wide hook state, holding the backend weakly (the state
+    outlives a closed or dropped client)."""
+    ref = weakref.ref(backend)
+
+    def probe(key: str) -> bool:
+        b = ref()
+        return b is not None and b.probe(key)
+
+    return probe
 
 
 def _m_sightings() -> Any:

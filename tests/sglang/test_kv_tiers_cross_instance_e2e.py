@@ -10,6 +10,10 @@ master killed) leave the output unchanged, and the log says why.
 File store, selective persistence (`min_reuse` 2) across instances: A's prefill is the pages'
 first sighting (skipped), B's the second (written by B, through the shared offer markers), and A
 then loads them from L3. L3 store events (medium DISK, B's instance id) arrive on a subscriber.
+
+Mooncake, under HiCache's default prefetch policy (`timeout`, where a prefetch that finds nothing
+holds its request): a miss starts no prefetch (the backend's first-page probe), a hit still does
+and loads the prefix, and after the master is lost the probe answers a miss.
 """
 from __future__ import annotations
 
@@ -26,7 +30,14 @@ import pytest
 
 from kllm_plugins.models.tiny_llama import tiny_llama_path
 from kllm_plugins.testing.hf_reference import hf_greedy
-from kllm_plugins.testing.kv_tiers import assert_loads_from_l3, flush, l3_args, mooncake_available, mooncake_master, wait_stats
+from kllm_plugins.testing.kv_tiers import (
+    assert_loads_from_l3,
+    flush,
+    l3_args,
+    mooncake_available,
+    mooncake_master,
+    wait_stats,
+)
 from kllm_plugins.testing.sglang_server import SGLangServer, free_port, start_all
 
 pytestmark = [pytest.mark.sglang, pytest.mark.e2e]
@@ -126,17 +137,36 @@ def test_file_store_shared_by_two_servers(tmp_path) -> None:
         sub.close(0)
 
 
+# HiCache's default prefetch stop policy (`timeout`: a request waits for its L3 prefetch), with a
+# long timeout so that a hit loads in full on a loaded machine too
+MC_ARGS = ["--page-size", "16", "--dtype", "float32"]
+MC_TIMEOUT_S = 30
+
+
+def _no_miss_waited(snap: dict[str, Any]) -> bool:
+    """No L3 prefetch that found nothing was started (so none held its request), and the probe
+    is what kept it from starting."""
+    w = snap["prefetch_wait"]
+    return snap.get("prefetch_probe_miss", 0) >= 1 and w["misses"] == 0 and w["miss_seconds"] == 0
+
+
 def test_mooncake_store_shared_by_two_servers(tmp_path) -> None:
     if not mooncake_available():
         pytest.skip("mooncake not installed (pip mooncake-transfer-engine-non-cuda)")
     ref = hf_greedy(tiny_llama_path(), [PROMPT], 6)[0]
     with ExitStack() as stack:
         master = stack.enter_context(mooncake_master())
-        a, b = _servers(ARGS + l3_args("kllm_mooncake", master), {**ENV, "KLLM_KV_TIERS_MIN_REUSE": "1"}, stack)
+        a, b = _servers(MC_ARGS + l3_args("kllm_mooncake", master, prefetch_timeout_base=MC_TIMEOUT_S,
+                                                 # a patient probe: the answer is tested, not its wait
+                                                 probe_timeout_ms=2000),
+                        {**ENV, "KLLM_KV_TIERS_MIN_REUSE": "1"}, stack)
+        # a miss (nothing in L3 yet): the first-page probe starts no prefetch, so the request does
+        # not wait for one (without the probe such misses waited 0.3-1.3 s each here)
         out = a.generate(input_ids=PROMPT, max_new_tokens=6)
         assert out["output_ids"] == ref and out["meta_info"]["cached_tokens"] == 0
         snap_a = _wait(a, lambda s: s["pages_admitted"] >= PAGES)
         assert snap_a["pages_admitted"] >= PAGES, snap_a
+        assert _no_miss_waited(snap_a), snap_a
 
         out = b.generate(input_ids=PROMPT, max_new_tokens=6)
         assert out["output_ids"] == ref
@@ -145,10 +175,16 @@ def test_mooncake_store_shared_by_two_servers(tmp_path) -> None:
         assert snap_b["store"]["hits"] >= PAGES and not snap_b["store"]["faults"], snap_b
         assert snap_b["instance_id"] == "B" and snap_b["backend"] == "mooncake"
         assert [ln for ln in b.grep_log(r"HiCache prefetch success") if f"loaded={PAGES * 16}" in ln]
+        # the hit passed the probe: its prefetch was started and loaded the prefix
+        snap_b = _wait(b, lambda s: s["prefetch_wait"]["loaded_tokens"] >= PAGES * 16)
+        assert snap_b["prefetch_wait"]["loaded_tokens"] >= PAGES * 16 and snap_b["path_calls"]["probe"] >= 1, snap_b
 
         os.killpg(master["proc"].pid, signal.SIGKILL)  # the store lost mid-run
         master["proc"].wait(timeout=20)
         flush(b.base_url)
+        missed = snap_b.get("prefetch_probe_miss", 0)
         out = b.generate(input_ids=PROMPT, max_new_tokens=6)
         assert out["output_ids"] == ref and out["meta_info"]["cached_tokens"] < PAGES * 16
         _expect_log(b, r"kv_tiers mooncake store: (lookup|read|write) of \d+ pages failed")
+        snap_b = _wait(b, lambda s: s.get("prefetch_probe_miss", 0) > missed)  # the probe answered a miss
+        assert snap_b.get("prefetch_probe_miss", 0) > missed and snap_b["prefetch_wait"]["misses"] == 0, snap_b

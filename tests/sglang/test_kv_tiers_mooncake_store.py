@@ -124,7 +124,7 @@ def make(master, monkeypatch):
                "device_name": "", "global_segment_size": 16 << 20, "local_hostname": "127.0.0.1",
                "check_server": False, "reconnect_s": 0.5,
                # patient store calls, except where a test is about a slow store
-               "store_timeout_ms": 10_000,
+               "store_timeout_ms": 10_000, "probe_timeout_ms": 10_000,
                # these tests pin down the selective rule itself (sightings, pressure), not the default
                # of writing everything while the store has room
                "write_all_below_pressure": False, **extra}
@@ -465,3 +465,117 @@ def test_reattach_thread_neither_keeps_the_backend_alive_nor_outlives_close(mast
     assert ref() is None  # the re-attach thread held it until exit (then ~12 s of client teardown)
     threads[1].join(10)
     assert not threads[1].is_alive()
+
+
+# -- the prefetch hook's first-page probe -----------------------------------------------------------
+
+
+class _Cache:
+    """What the prefetch hook reads and writes of UnifiedRadixCache (pages of PAGE tokens)."""
+
+    page_size = PAGE
+
+    def __init__(self) -> None:
+        self.ongoing_prefetch: dict[Any, Any] = {}
+        self.prefetch_threshold = PAGE
+        self.calls = 0
+
+    def prefetch(self, request: Any, node: Any, tokens: list[int], *args: Any, **kwargs: Any) -> bool:
+        self.calls += 1
+        return True
+
+
+def _hook(cache: _Cache) -> Any:
+    from kllm_plugins.plugins.kv_tiers import sglang_adapter as ad
+
+    def prefetch(request: str, tokens: list[int], last_hash: Any = None, prefix_keys: Any = None) -> Any:
+        return ad.around_prefetch_from_storage(_Cache.prefetch, cache, request, "node", tokens, last_hash, prefix_keys)
+
+    return prefetch
+
+
+def _median_us(fn: Any, n: int = 200) -> float:
+    took = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        took.append(time.perf_counter() - t0)
+    return sorted(took)[n // 2] * 1e6
+
+
+def test_probe_finds_a_page_under_the_key_hicache_looks_up_and_a_miss_starts_no_prefetch(make) -> None:
+    """The hook probes the first page's storage key before starting a prefetch (a miss would hold
+    its request until HiCache's prefetch timeout): the key is the one HiCache's storage query
+    computes, the answer the one its lookup gives; a miss starts nothing and still tells selective
+    persistence about the continuation."""
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    from kllm_plugins.plugins.kv_tiers import sglang_adapter as ad
+
+    b, pool = make(min_reuse=1)
+    cache = _Cache()
+    prefetch = _hook(cache)
+    tokens = list(range(300, 300 + 6 * PAGE))
+    keys = get_storage_hash_str(tokens, None, page_size=PAGE)  # as HiCache's `_storage_hit_query`
+    assert ad._first_page_key(cache, tokens, (None,), {}) == keys[0]
+
+    assert prefetch("r1", tokens, None, ["p0"]) is None  # nothing stored: no prefetch started
+    assert cache.calls == 0 and b.t.counts["prefetch_probe_miss"] == 1
+    assert all(b.t.persistence.continuations.count(k) == 1 for k in keys)  # reuse seen, as a lookup tells
+
+    assert _write(b, pool, keys[:2]) == [True, True]  # written under HiCache's keys (a write-back)
+    assert b.batch_exists(keys) == 2  # what HiCache's lookup answers now
+    assert prefetch("r2", tokens) is True and cache.calls == 1
+    assert b.t.counts["prefetch_admitted"] == 1 and b.t.counts["prefetch_probe_miss"] == 1
+    # chained on an anchor's hash: another key, not stored
+    chained = get_storage_hash_str(tokens[:PAGE], keys[0], page_size=PAGE)[0]
+    assert ad._first_page_key(cache, tokens, (keys[0],), {}) == chained != keys[0]
+    assert prefetch("r3", tokens, keys[0]) is None and cache.calls == 1
+    # the first page's V object gone (evicted by the master): the lookup and the probe both miss
+    obj = f"{b._tag_keys([keys[0]])[0]}_{b.mha_suffix}_v"
+    assert b.store.remove(obj, True) == 0
+    assert b.batch_exists(keys) == 0
+    assert prefetch("r4", tokens) is None and cache.calls == 1 and b.t.counts["prefetch_probe_miss"] == 3
+    assert b.t.path_calls["probe"] == 4 and not b.t.snapshot()["store"]["faults"]
+
+    # what a probe costs on a healthy local master (shown with -s; not asserted: a loaded machine)
+    hit, miss = keys[1], chained
+    costs = {"probe hit (bounded: thread + K/V + record checks)": _median_us(lambda: b.probe(hit)),
+             "probe miss (bounded: thread + K/V check)": _median_us(lambda: b.probe(miss)),
+             "one unbounded existence RPC": _median_us(lambda: b.store.batch_is_exist([obj]))}
+    print("median cost per call (us):", {k: round(v) for k, v in costs.items()})
+
+
+def test_probe_never_holds_the_scheduler_longer_than_its_wait_and_misses_during_a_stall(master, make,
+                                                                                       caplog) -> None:
+    """The probe runs on the scheduler thread: against a stalled master it waits `probe_timeout_ms`
+    at most and then lets HiCache's lookup (on its own thread, bounded by `store_timeout_ms`)
+    decide; once that lookup has found the master slow, probes answer a miss at once."""
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    b, pool = make(min_reuse=1, store_timeout_ms=300, probe_timeout_ms=50)
+    cache = _Cache()
+    prefetch = _hook(cache)
+    tokens = list(range(900, 900 + 4 * PAGE))
+    keys = get_storage_hash_str(tokens, None, page_size=PAGE)
+    assert _write(b, pool, keys) == [True] * 4
+    os.killpg(master["proc"].pid, signal.SIGSTOP)  # TCP still connects; RPCs wait ~30 s for a timeout
+    try:
+        t0 = time.monotonic()
+        with caplog.at_level("WARNING", logger="kllm.kv_tiers"):
+            assert prefetch("s1", tokens) is True  # unanswered within 50 ms: the prefetch starts
+            assert prefetch("s2", tokens) is True  # that probe is still unanswered: none sent
+            assert b.batch_exists(keys) == 0  # the prefetch's lookup: given up after 300 ms, a miss
+            assert prefetch("s3", tokens) is None  # slow episode: a miss at once, no prefetch
+        elapsed = time.monotonic() - t0
+    finally:
+        os.killpg(master["proc"].pid, signal.SIGCONT)
+    assert elapsed < 10, elapsed  # waits of 50 and 300 ms, not the RPC timeout
+    assert cache.calls == 2 and b.t.counts["probe_unanswered"] == 2 and b.t.counts["prefetch_probe_miss"] == 1
+    assert b.t.snapshot()["store"]["faults"] == {"store_slow": 5}  # the late lookup's 4 pages, the probe
+    assert caplog.text.count("mooncake store slow") == 1 and "slow: lookup no answer" in caplog.text
+    deadline = time.monotonic() + 60
+    while b.batch_exists(keys) != 4:  # resumed: the stuck calls return, a lookup in time ends the episode
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert prefetch("s4", tokens) is True and cache.calls == 3 and not b.bounded.slow

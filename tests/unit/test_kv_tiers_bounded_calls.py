@@ -25,7 +25,7 @@ def test_answers_in_time_pass_through_values_and_errors() -> None:
     assert b.call("lookup", lambda: 7) == 7
     with pytest.raises(KeyError):
         b.call("lookup", lambda: {}["x"])
-    assert not b.slow and b.stats == {"calls": 2, "late": 0, "refused": 0, "episodes": 0}
+    assert not b.slow and b.stats == {"calls": 2, "late": 0, "refused": 0, "episodes": 0, "pending": 0}
 
 
 def test_a_stalled_call_is_given_up_and_later_calls_are_refused_at_once(caplog) -> None:
@@ -44,7 +44,7 @@ def test_a_stalled_call_is_given_up_and_later_calls_are_refused_at_once(caplog) 
             assert not b.admit("read")
     assert time.monotonic() - t0 < 10  # one timeout, then refusals without waiting (not 6 timeouts)
     assert not ran
-    assert b.stats == {"calls": 1, "late": 1, "refused": 10, "episodes": 1}
+    assert b.stats == {"calls": 1, "late": 1, "refused": 10, "episodes": 1, "pending": 0}
     assert _slow_count(caplog) == 1  # one line per episode, not per call
     release.set()
 
@@ -142,3 +142,54 @@ def test_an_answer_to_a_call_begun_before_the_episode_does_not_end_it() -> None:
     b.observe("write", 6.0)
     b.observe("read", 2.0)  # in time, but it began 2 s before the episode did
     assert b.slow
+
+
+def test_a_try_waits_only_its_own_wait_one_at_a_time_and_judges_nothing(caplog) -> None:
+    """`try_call` (the scheduler thread's probe): a short wait, one unanswered try at a time, and
+    an unanswered try is neither late nor the start of an episode."""
+    b = BoundedCalls(10.0, name="mooncake store")
+    assert b.try_call("probe", lambda: 3, 0.05) == 3
+    release = threading.Event()
+    t0 = time.monotonic()
+    ran: list[int] = []
+    with caplog.at_level("INFO", logger="kllm.kv_tiers"):
+        with pytest.raises(StoreSlow) as first:
+            b.try_call("probe", lambda: release.wait(60), 0.05)
+        with pytest.raises(StoreSlow) as second:
+            b.try_call("probe", lambda: ran.append(1), 0.05)  # the first is unanswered: not started
+        assert b.call("lookup", lambda: 5) == 5  # calls with the full timeout are not held up
+    assert time.monotonic() - t0 < 5  # far below the 10 s timeout
+    assert first.value.reason == second.value.reason == "pending" and not ran
+    assert not b.slow and _slow_count(caplog) == 0
+    assert b.stats["late"] == 0 and b.stats["pending"] == 2 and b.stats["episodes"] == 0
+    release.set()
+    deadline = time.monotonic() + 30
+    while True:  # once the stuck try's thread returns, the next try runs
+        try:
+            assert b.try_call("probe", lambda: 9, 5.0) == 9
+            break
+        except StoreSlow as exc:
+            assert exc.reason == "pending" and time.monotonic() < deadline
+            time.sleep(0.05)
+
+
+def test_a_try_during_a_slow_episode_is_refused_and_one_answered_in_time_ends_it(caplog) -> None:
+    b = BoundedCalls(TIMEOUT_S, name="mooncake store")
+    release = threading.Event()
+    with caplog.at_level("INFO", logger="kllm.kv_tiers"):
+        with pytest.raises(StoreSlow):
+            b.call("lookup", lambda: release.wait(60))
+        ran: list[int] = []
+        with pytest.raises(StoreSlow) as refused:
+            b.try_call("probe", lambda: ran.append(1), 5.0)
+        assert refused.value.reason == "slow" and not ran and b.stats["refused"] == 1
+        release.set()
+        deadline = time.monotonic() + 30
+        while True:  # the late call returns; then a try answered in time ends the episode
+            try:
+                assert b.try_call("probe", lambda: 1, 5.0) == 1
+                break
+            except StoreSlow as exc:
+                assert exc.reason == "slow" and time.monotonic() < deadline
+                time.sleep(0.05)
+    assert not b.slow and "mooncake store back" in caplog.text

@@ -16,7 +16,12 @@ afterwards: existence checks, removals) on a daemon thread of its own and waits 
   that did run took longer than `timeout_s`.
 The first call begun during the episode that answers in time, without an error, ends it. One
 WARNING at its start and one INFO at its end are logged (not one per call); `stats` counts
-calls, late calls, refusals and episodes.
+calls, late calls, refusals, episodes and unanswered tries.
+
+`try_call` is for a caller that must not wait even `timeout_s` (the scheduler thread, deciding
+whether to start a prefetch): it waits a shorter `wait_s`, one such call at a time, and a call
+not answered by then raises `StoreSlow("pending")` without counting as late or starting an
+episode; the calls that wait the full timeout (the lookups) judge the store.
 """
 from __future__ import annotations
 
@@ -65,11 +70,12 @@ class BoundedCalls:
         self.timeout_s = timeout_s
         self.name = name
         self.max_late = max_late
-        self.stats: dict[str, int] = {"calls": 0, "late": 0, "refused": 0, "episodes": 0}
+        self.stats: dict[str, int] = {"calls": 0, "late": 0, "refused": 0, "episodes": 0, "pending": 0}
         self._lock = threading.Lock()
         self._late_running = 0  # late bounded calls whose thread has not returned yet
         self._slow_since: float | None = None
         self._refused_in_episode = 0
+        self._tried: _Call | None = None  # the `try_call` whose thread has not returned yet
         self._inside = threading.local()
         self._thread_name = f"kllm-{name.replace(' ', '-')}-call"
 
@@ -91,10 +97,7 @@ class BoundedCalls:
         if getattr(self._inside, "active", False):
             return fn()
         with self._lock:
-            if self._late_running >= self.max_late or (self._slow_since is not None and self._late_running):
-                self._refuse_locked()
-                raise StoreSlow("slow", op)
-            self.stats["calls"] += 1
+            self._admit_call_locked(op)
         c = _Call()
         t0 = time.monotonic()
         threading.Thread(target=self._run, args=(c, fn), name=self._thread_name, daemon=True).start()
@@ -112,7 +115,41 @@ class BoundedCalls:
         self._answered(t0)
         return c.value  # type: ignore[return-value]
 
-    def _run(self, c: _Call, fn: Callable[[], object]) -> None:
+    def try_call(self, op: str, fn: Callable[[], T], wait_s: float) -> T:
+        """`fn()` on a thread of its own, waited for at most `min(wait_s, timeout_s)`. Raises
+        `StoreSlow("slow")` when refused as `call` is, `StoreSlow("pending")` when not answered by
+        then or while the previous try is still unanswered (its thread then finishes on its own
+        and its answer is dropped; nothing is counted late); an exception of `fn` is raised here."""
+        if getattr(self._inside, "active", False):
+            return fn()
+        with self._lock:
+            if self._tried is not None and not self._refusing_locked():
+                self.stats["pending"] += 1
+                raise StoreSlow("pending", op)
+            self._admit_call_locked(op)
+            c = self._tried = _Call()
+        t0 = time.monotonic()
+        threading.Thread(target=self._run, args=(c, fn, True), name=self._thread_name, daemon=True).start()
+        if not c.done.wait(min(wait_s, self.timeout_s)):
+            with self._lock:
+                if not c.done.is_set():
+                    self.stats["pending"] += 1
+                    raise StoreSlow("pending", op)
+        if c.error is not None:
+            raise c.error
+        self._answered(t0)
+        return c.value  # type: ignore[return-value]
+
+    def _refusing_locked(self) -> bool:
+        return self._late_running >= self.max_late or (self._slow_since is not None and self._late_running > 0)
+
+    def _admit_call_locked(self, op: str) -> None:
+        if self._refusing_locked():
+            self._refuse_locked()
+            raise StoreSlow("slow", op)
+        self.stats["calls"] += 1
+
+    def _run(self, c: _Call, fn: Callable[[], object], tried: bool = False) -> None:
         self._inside.active = True
         try:
             c.value = fn()
@@ -122,6 +159,8 @@ class BoundedCalls:
             c.done.set()
             if c.late:  # its caller gave up on it; the store has answered at last
                 self._late_running -= 1
+            if tried:
+                self._tried = None
 
     # -- inline calls ------------------------------------------------------------------------
 
