@@ -54,8 +54,10 @@ def kllm_declare() -> PluginSpec:
                 impl=f"{ADAPTER}:around_prefetch_from_storage",
                 kind="around",
                 why="fetch-or-recompute and bounded prefetch: set the L3 prefetch threshold from the measured "
-                    "break-even length and refuse prefetches beyond the in-flight budget",
-                upstream="a pluggable storage prefetch policy (threshold and admission callback) in HiCache",
+                    "break-even length, refuse prefetches beyond the in-flight budget, and start none whose first "
+                    "page the L3 store does not hold (a miss would hold its request under the `timeout` policy)",
+                upstream="a pluggable storage prefetch policy (threshold and admission callback) in HiCache, and "
+                         "a miss ending a `timeout`-policy prefetch at once",
             ),
             PatchSpec(
                 target=f"{URC}.check_prefetch_progress",
