@@ -64,7 +64,7 @@ collect() {
     cp $W/answers_*.xz $OUT/ && touch $W/answers_returned
     slots=$((slots - $(ls $W/answers_*.xz | wc -l)))
   fi
-  if [ -f $W/out/dspark_records.pt ]; then cp $W/out/dspark_records.pt $OUT/; slots=$((slots - 1)); fi
+  for f in $W/out/dspark_records*.pt; do [ -f "$f" ] && cp "$f" $OUT/ && slots=$((slots - 1)); done
   [ -d $SHIM ] && PYTHONPATH=$SHIM python3 $W/code/collect_states.py --work $W --out $OUT --slots $slots
   ls -laR $OUT | grep -v "^total"
 }

@@ -37,6 +37,9 @@ from kllm_plugins.plugins.dspark.core.drafters import SharedTarget  # noqa: E402
 from kllm_plugins.plugins.dspark.core.spec_loop import SpecResult, autoregressive_generate, speculative_generate  # noqa: E402
 from kllm_plugins.plugins.dspark.training.export import load_drafter  # noqa: E402
 
+# drafters whose in-loop records (confidences, accepted counts) come back for the planner replay
+RECORD_FILES = {"dspark": "dspark_records.pt", "dspark_untied": "dspark_records_untied.pt"}
+
 
 def _drafter(work: Path, name: str, dtype: torch.dtype):
     folder = work / f"ckpt_{name}"
@@ -125,9 +128,9 @@ def cmd_accept(a: argparse.Namespace) -> None:
                                "num_samples": int(vc.sum()), "ece_before": ece_loop["raw"]["per_position"],
                                "ece_after": ece_loop["sts_in_loop"]["per_position"]}, indent=1))
     (a.out / f"eval_{a.name}.json").write_text(json.dumps(entry, indent=1))
-    if a.name == "dspark":
+    if a.name in RECORD_FILES:  # the planner replay's input (bench_planner_real.py)
         torch.save({"confidence": [r.confidence.half() for r in recs], "accepted": [r.accepted for r in recs],
-                    "temperatures": temps_loop}, a.out / "dspark_records.pt")
+                    "temperatures": temps_loop}, a.out / RECORD_FILES[a.name])
     print("ACCEPT", a.name, json.dumps({k: v for k, v in entry.items() if not isinstance(v, (list, dict))}), flush=True)
 
 

@@ -11,7 +11,9 @@ TINY=$(python -m kllm_plugins.models.tiny_llama)
 rm -rf $D && mkdir -p $D/carry1 $D/out1 $D/out2
 cp $TINY/config.json $TINY/model.safetensors $D/carry1/
 cp .dspark_carry/prompts.pt $D/carry1/ 2>/dev/null || { echo "need .dspark_carry/prompts.pt"; exit 2; }
-export G0=dspark G1=eagle SKIP_IPC=1 SHIM=$D/shim T0_NAMES=dspark T1_NAMES=eagle FP32_NAMES="dspark eagle"
+# DRY_G0/DRY_G1/DRY_T0/DRY_T1/DRY_FP32 try another run's drafter names (e.g. next_run6.env's)
+export G0=${DRY_G0:-dspark} G1=${DRY_G1:-eagle} SKIP_IPC=1 SHIM=$D/shim T0_NAMES=${DRY_T0:-dspark} T1_NAMES=${DRY_T1:-eagle}
+export FP32_NAMES=${DRY_FP32:-"dspark eagle"}
 export GEN_ARGS="--max-prompts 48 --test-prompts 8 --val-prompts 8 --max-answer 24 --gen-batch 64"
 export TRAIN_ARGS="--steps 100000 --time-limit 40 --batch-size 4 --eagle-batch-size 4 --anchors 4 --val-max-new 16 --log-every 20"
 export ACCEPT_ARGS="--test-prompts 4 --sample-prompts 2 --max-new 16"
