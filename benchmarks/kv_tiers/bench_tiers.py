@@ -38,6 +38,11 @@ Prints the setups side by side with ratios, writes benchmarks/results/kv_tiers.j
 row to benchmarks/RESULTS.md. `--deadline-s` stops starting server lifetimes that would not finish
 in time, and every finished lifetime's cells are saved to `--partial` as they come.
 
+With `--l3-latency-ms` / `--l3-mb-s`, stock HiCache and kv_tiers both put L3 on an emulated slow
+medium: every page read and existence check sleeps latency + bytes / bandwidth, at the storage-backend
+layer of each (SGLang's `HiCacheFile` and the plugin's file store subclassed in slow_medium.py, loaded
+through HiCache's `dynamic` backend); the regime where an L3 hit costs more than recomputing it.
+
 Stock HiCache is stock: no plugin enabled, SGLang's own `file` backend in the shared folder
 (`SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR`); what lets HiCache run on this CPU platform at all
 (unpinned host pool, a torch direct copy) is the platform's own patch list, applied with or without
@@ -62,16 +67,28 @@ from kllm_plugins.testing.sglang_server import SGLangServer, start_all
 
 sys.path.insert(0, str(Path(__file__).parent))
 from replay import arrivals, assign, measure, replay_open, replay_serial, spread  # noqa: E402
+from medium_report import medium_delta  # noqa: E402
+from medium_setup import medium_setup_args, medium_stats  # noqa: E402
 from trace_gen import generate  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SPACE = 1 << 24  # block ids per token space (one space per measurement cell)
 
 
-def setup_args(name: str, store: str) -> tuple[list[str], list[str], dict[str, str]]:
+def setup_args(name: str, store: str, args: argparse.Namespace | None = None, stats_dir: str = ""
+               ) -> tuple[list[str], list[str], dict[str, str]]:
     env = {"KLLM_EXTRA_PLUGINS": "kllm_plugins.plugins.kv_tiers.hookimpls"}
     if name == "l1_only":
         return [], [], {}
+    if args is not None and args.medium is not None:  # both L3 setups on the emulated slow medium
+        flags, menv = medium_setup_args(name, store, args.medium["latency_ms"], args.medium["mb_s"], stats_dir)
+        if name == "hicache":
+            return flags, [], menv
+        env.update(menv)
+        env["KLLM_KV_TIERS_STORE_DIR"] = store
+        if name == "kv_tiers_fixed":
+            env["KLLM_KV_TIERS_ADAPTIVE_THRESHOLDS"] = "false"
+        return flags, ["kv_tiers"], env
     if name == "hicache":  # stock: SGLang's own file backend, no plugin (the CPU platform's patches run HiCache)
         return l3_args("file"), [], {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": store}
     env.update({"KLLM_KV_TIERS_STORE_DIR": store})
@@ -117,6 +134,9 @@ def summarize(name: str, tname: str, cells: dict[tuple[Any, int], dict[str, Any]
         "kv_tiers_stats": stats,
         # per repeat, both servers' cumulative L3 path counters after this trace's last cell (the
         # no-reuse trace runs first after a start: its figures are the warm-up's plus its own)
+        # the slow medium's calls / bytes / seconds charged per cell (both servers), when it is on
+        "medium_per_cell": [{"step": st, "repeat": r, **m["medium_cell"]} for (st, r), m in sorted(
+            cells.items(), key=lambda x: (x[0][1], x[0][0] != "serial", str(x[0][0]))) if "medium_cell" in m],
         "l3_path_after_trace": [cells[(last, r)].get("kv_tiers_after") for r in reps
                                 for last in [max((st for st, rr in cells if rr == r), key=lambda x: (x != "serial", x))]],
     }
@@ -169,6 +189,7 @@ def kept_stats(servers: list[SGLangServer]) -> list[dict[str, Any]]:
     keep = ("pages_admitted", "pages_skipped", "prefetch_admitted", "prefetch_refused", "l2_loaded_tokens",
             "path_s", "path_calls", "write_mode", "prefetch_wait", "l2_backup_tokens", "prefetch_probe_miss",
             "held_written", "held")
+    fkeys = ("l3_bandwidth_bytes_per_s", "l3_latency_s", "l3_samples", "prefill_samples")
     out = []
     for s in servers:
         st = kv_tiers_stats(s)
@@ -179,7 +200,10 @@ def kept_stats(servers: list[SGLangServer]) -> list[dict[str, Any]]:
                       "store_put_existing": store.get("put_existing"),
                       "l3_min_fetch_tokens": fp.get("l3_min_fetch_tokens"),
                       "l3_prefetch_overhead_s": fp.get("l3_prefetch_overhead_s"),
-                      "prefill_tokens_per_s": fp.get("prefill_tokens_per_s")})
+                      "prefill_tokens_per_s": fp.get("prefill_tokens_per_s")}
+                   | {k: fp.get(k) for k in fkeys}
+                   # the plugin's "L3 slower than recomputing" turns (metric label l3_slower_than_recompute)
+                   | {"l3_slower_than_recompute_logs": len(s.grep_log("l3 is slower than recomputing"))})
     return out
 
 
@@ -228,11 +252,13 @@ def run(args: argparse.Namespace, traces: dict[str, list[dict[str, Any]]], t_sta
             continue
         t_life = time.perf_counter()
         store = tempfile.mkdtemp(prefix=f"kvt-bench-{name}-")
-        extra, plugins, env = setup_args(name, store)
+        mdir = tempfile.mkdtemp(prefix=f"kvt-medium-{name}-") if args.medium is not None else ""
+        extra, plugins, env = setup_args(name, store, args, mdir)
         servers = [SGLangServer(tiny_llama_path(), plugins=plugins, extra_args=common + extra,
                                 env={**env, "KLLM_KV_TIERS_INSTANCE_ID": f"{name}-{i}"},
                                 max_total_tokens=args.l1_tokens, startup_timeout_s=400) for i in range(2)]
         urls = [s.base_url for s in servers]
+        prev_medium: list[dict[str, Any]] | None = None
         try:
             t0 = time.perf_counter()
             start_all(servers)
@@ -262,6 +288,12 @@ def run(args: argparse.Namespace, traces: dict[str, list[dict[str, Any]]], t_sta
                         if plugins:  # this plugin's L3 path so far (cumulative per server; deltas per cell)
                             time.sleep(0.6)  # stats snapshots are written every 0.5 s
                             m["kv_tiers_after"] = kept_stats(servers)
+                        if mdir:  # the medium's counters per server process (cumulative; deltas per cell)
+                            if not plugins:
+                                time.sleep(0.2)
+                            m["medium_after"] = medium_stats(mdir)
+                            m["medium_cell"] = medium_delta(prev_medium, m["medium_after"])
+                            prev_medium = m["medium_after"]
                         cells.setdefault((name, tname), {})[(step, rep)] = m
                         print(f"  rep {rep} {tname} {step}: {makespan:.1f} s, hit {m['hit_rate']['total']:.3f} "
                               f"(l1 {m['hit_rate']['l1']:.3f} l2 {m['hit_rate']['l2']:.3f} l3 {m['hit_rate']['l3']:.3f}), "
@@ -279,6 +311,8 @@ def run(args: argparse.Namespace, traces: dict[str, list[dict[str, Any]]], t_sta
             for s in servers:
                 s.stop()
             shutil.rmtree(store, ignore_errors=True)
+            if mdir:
+                shutil.rmtree(mdir, ignore_errors=True)
         save_partial(args, cells, stats)
     return [summarize(n, t, cl, args, stats.get(n, [])) for (n, t), cl in cells.items()
             if any(st == "serial" for st, _ in cl)]
@@ -353,18 +387,26 @@ def record(runs: list[dict[str, Any]], traces: dict[str, list[dict[str, Any]]], 
            "runs": runs}
     if pressure:
         doc["pressure"] = pressure
+    if args.medium is not None:
+        doc["medium"] = args.medium
     out.write_text(json.dumps(doc, indent=1) + "\n")
     cells = [f"[{t}] " + "; ".join(_row(r) for r in runs if r["trace"] == t) for t in traces]
     if pressure:
         cells.append("[pressure] " + pressure["summary"])
     with (root / "benchmarks" / "RESULTS.md").open("a") as f:
         f.write(f"\n## kv_tiers (issue 7), CPU (2 cores, quiet), tiny Llama, two servers per setup, interleaved "
-                f"repeats, open-loop load, {time.strftime('%Y-%m-%d %H:%M')}\n"
+                f"repeats, open-loop load{medium_note(args)}, {time.strftime('%Y-%m-%d %H:%M')}\n"
                 f"`{command}` — L1 {args.l1_tokens} tokens per server, L2 2x L1, shared L3 folder; {args.repeats} "
                 f"repeats (A B C / C B A ...), medians [min-max]; hit rate and TTFT at 1 request in flight per "
                 f"server; open-loop Poisson rates {args.rate_list} req/s (same schedule for every setup), "
                 f"throughput at SLO = highest rate step's completed/makespan with TTFT P{int(args.slo_pct * 100)} "
                 f"<= {args.slo_s} s: " + " ".join(cells) + "\n")
+
+
+def medium_note(args: argparse.Namespace) -> str:
+    m = args.medium
+    return "" if m is None else (f", L3 (both setups) on an emulated slow medium: {m['latency_ms']:g} ms + "
+                                 f"{m['mb_s']:g} MB/s per page read / existence check")
 
 
 def plot(runs: list[dict[str, Any]], path: str) -> None:
@@ -424,10 +466,23 @@ def main() -> None:
     ap.add_argument("--pressure-capacity-mb", type=float, default=4.0, help="kv_tiers L3 bound per instance there")
     ap.add_argument("--partial", default="", help="save every finished lifetime's cells here")
     ap.add_argument("--plot", default="", help="draw TTFT P90 against throughput per setup to this file")
+    ap.add_argument("--l3-latency-ms", type=float, default=None,
+                    help="emulated slow L3 medium for hicache and kv_tiers: ms per page read / existence check")
+    ap.add_argument("--l3-mb-s", type=float, default=None,
+                    help="emulated slow L3 medium: MB/s of page reads (0: no bandwidth limit)")
+    ap.add_argument("--l3-calib", default="",
+                    help="calib_medium.py --out files (comma-separated) to keep with the medium in the results json")
     ap.add_argument("--no-record", action="store_true", help="do not write results files")
     ap.add_argument("--results-root", default=str(ROOT), help="write results under this folder (smoke runs)")
     args = ap.parse_args()
     args.rate_list = [float(x) for x in args.rates.split(",") if x]
+    on = args.l3_latency_ms is not None or args.l3_mb_s is not None
+    args.medium = ({"latency_ms": args.l3_latency_ms or 0.0, "mb_s": args.l3_mb_s or 0.0,
+                    "emulation": "time.sleep(latency + bytes / bandwidth) per page read and per existence check, "
+                                 "at the storage-backend layer, identical for hicache and kv_tiers "
+                                 "(benchmarks/kv_tiers/slow_medium.py); writes not delayed"} if on else None)
+    if args.medium is not None and args.l3_calib:
+        args.medium["calibration"] = [json.loads(Path(p).read_text()) for p in args.l3_calib.split(",")]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers on the way out
     t_start = time.perf_counter()
     command = "python " + " ".join([str(Path(sys.argv[0]))] + sys.argv[1:])
