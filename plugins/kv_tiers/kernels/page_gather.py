@@ -23,30 +23,21 @@ _WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8)
 _BLOCK = 1024
 
 
+# One program moves one (page, layer, block): pool page idx[page] of `layer` <-> staging[page, layer].
+# The direction is a compile-time constant, so each direction compiles to its own straight copy.
 @triton.jit
-def _gather_kernel(bases, idx, out, words, layers, BLOCK: tl.constexpr):
+def _page_move_kernel(bases, idx, staging, words, layers, TO_STAGING: tl.constexpr, BLOCK: tl.constexpr):
     page = tl.program_id(0)
     layer = tl.program_id(1)
     offs = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < words
-    src = tl.load(bases + layer).to(tl.pointer_type(out.dtype.element_ty))
-    row = tl.load(idx + page).to(tl.int64)
-    x = tl.load(src + row * words + offs, mask=ok)
-    dst = (page.to(tl.int64) * layers + layer) * words
-    tl.store(out + dst + offs, x, mask=ok)
-
-
-@triton.jit
-def _scatter_kernel(bases, idx, src, words, layers, BLOCK: tl.constexpr):
-    page = tl.program_id(0)
-    layer = tl.program_id(1)
-    offs = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < words
-    dst = tl.load(bases + layer).to(tl.pointer_type(src.dtype.element_ty))
-    row = tl.load(idx + page).to(tl.int64)
-    at = (page.to(tl.int64) * layers + layer) * words
-    x = tl.load(src + at + offs, mask=ok)
-    tl.store(dst + row * words + offs, x, mask=ok)
+    pool = tl.load(bases + layer).to(tl.pointer_type(staging.dtype.element_ty))
+    at_pool = tl.load(idx + page).to(tl.int64) * words + offs
+    at_staging = (page.to(tl.int64) * layers + layer) * words + offs
+    if TO_STAGING:
+        tl.store(staging + at_staging, tl.load(pool + at_pool, mask=ok), mask=ok)
+    else:
+        tl.store(pool + at_pool, tl.load(staging + at_staging, mask=ok), mask=ok)
 
 
 def word_dtype(nbytes: int, addresses: Sequence[int]) -> tuple[int, torch.dtype]:
@@ -81,18 +72,18 @@ class PageTable:
             raise ValueError("staging buffer too small or misaligned for the page table")
         return flat[: n * self.layers * self.page_bytes].view(self.word)
 
-    def gather(self, idx: torch.Tensor, out: torch.Tensor) -> None:
-        """out viewed as [n, layers, page] = page idx[i] of every layer (one launch)."""
+    def _move(self, idx: torch.Tensor, staging: torch.Tensor, to_staging: bool) -> None:
         n = idx.numel()
         if n == 0:
             return
         grid = (n, self.layers, triton.cdiv(self.words, _BLOCK))
-        _gather_kernel[grid](self.bases, idx, self._staging(out, n), self.words, self.layers, BLOCK=_BLOCK)
+        _page_move_kernel[grid](self.bases, idx, self._staging(staging, n), self.words, self.layers,
+                                TO_STAGING=to_staging, BLOCK=_BLOCK)
+
+    def gather(self, idx: torch.Tensor, out: torch.Tensor) -> None:
+        """out viewed as [n, layers, page] = page idx[i] of every layer (one launch)."""
+        self._move(idx, out, True)
 
     def scatter(self, idx: torch.Tensor, src: torch.Tensor) -> None:
         """Page idx[i] of every layer = src viewed as [n, layers, page] (one launch)."""
-        n = idx.numel()
-        if n == 0:
-            return
-        grid = (n, self.layers, triton.cdiv(self.words, _BLOCK))
-        _scatter_kernel[grid](self.bases, idx, self._staging(src, n), self.words, self.layers, BLOCK=_BLOCK)
+        self._move(idx, src, False)
