@@ -2,14 +2,19 @@
 SmolLM2-135M-Instruct on the same data and budget; `drafter_eval.py` then measures them.
 
 Phases (one process each; `device_pipeline.sh` chains them, several per GPU side by side):
-  gen   --shard i --shards n   the target's greedy answers to shard i of the training prompts
-                               (shard 0 also answers the calibration, test and validation prompts);
-                               also written compactly (answers_i.xz) for the way back
+  gen   --shard i --shards n   the target's answers to shard i of the training prompts: greedy, or
+                               with --gen-temperature T sampled at T (seeded: --gen-seed + 1000 i);
+                               shard 0 also answers the calibration, test and validation prompts,
+                               always greedily (the greedy walk and checks read them; the sampling
+                               evaluation runs the loop on their prompts); also written compactly
+                               (answers_i.xz) for the way back
   restore --shard i ...        answers_i.pt from a carried answers_i.xz and the same prompts (no generation)
   train --name N               one drafter: the target runs once over all training sequences
                                (`FeatureCache`, features kept on the GPU), then `--steps` optimizer
                                steps or `--time-limit` seconds, whichever ends first (the learning
-                               rate anneals over that progress); teacher-forced calibration; checkpoint
+                               rate anneals over that progress); teacher-forced calibration; checkpoint;
+                               --w-tv > 0: the distribution loss w_ce CE + w_tv TV (`dist_loss.py`,
+                               the cache then keeps the target's final hidden state per answer token)
   train-group --names A B ..   the same for several drafters side by side on one GPU, reading ONE
                                feature cache (built here, handed to one spawned process per drafter
                                through CUDA IPC); `--max-train-seqs` caps the data when each process
@@ -128,8 +133,12 @@ def shard_prompts(a: argparse.Namespace) -> dict:
 
 def cmd_restore(a: argparse.Namespace) -> None:
     """answers_<shard>.pt from an earlier run's answers_<shard>.xz and the same prompt file (no generation)."""
-    from kllm_plugins.plugins.dspark.training.data import load_answers_for
+    from kllm_plugins.plugins.dspark.training.data import answers_meta, load_answers_for
 
+    meta = answers_meta(a.work / f"answers_{a.shard}.xz")
+    if float(meta.get("train_temperature", 0.0)) != a.gen_temperature:  # e.g. run 5's greedy answers in a sampling run
+        print("GEN restore refused", json.dumps({"shard": a.shard, "carried": meta, "wanted": a.gen_temperature}), flush=True)
+        raise SystemExit(4)
     vocab = int(json.loads((a.work / "config.json").read_text())["vocab_size"])
     prompts = {k: [[t % vocab for t in p] for p in v] for k, v in shard_prompts(a).items()}  # as `gen` (dry run)
     out = load_answers_for(a.work / f"answers_{a.shard}.xz", prompts)
@@ -147,13 +156,17 @@ def cmd_gen(a: argparse.Namespace) -> None:
     out = shard_prompts(a)
     for split in ("train", "calib", "test", "val"):
         ps = [[t % target.shape.vocab_size for t in p] for p in out[split]]  # a no-op unless the dry run's tiny vocab
+        temp = a.gen_temperature if split == "train" else 0.0
         out[split] = generate_answers(target, ps, max_new_tokens=a.max_answer, eos_id=prompts.eos_id,
-                                      batch_size=a.gen_batch) if ps else []
+                                      batch_size=a.gen_batch, temperature=temp,
+                                      seed=a.gen_seed + 1000 * a.shard) if ps else []
     torch.save(out, a.work / f"answers_{a.shard}.pt")
-    save_answers(a.work / f"answers_{a.shard}.xz", out)  # brought back: a rerun can skip generation
+    save_answers(a.work / f"answers_{a.shard}.xz", out,  # brought back: a rerun can skip generation
+                 meta={"train_temperature": a.gen_temperature, "seed": a.gen_seed + 1000 * a.shard})
     n_tok = sum(len(s) - p for s, p in out["train"])
     print("GEN", json.dumps({"shard": a.shard, "seconds": time.perf_counter() - t0, "train_seqs": len(out["train"]),
-                             "train_answer_tokens": n_tok}), flush=True)
+                             "train_answer_tokens": n_tok, "train_temperature": a.gen_temperature,
+                             "seed": a.gen_seed + 1000 * a.shard if a.gen_temperature > 0 else None}), flush=True)
 
 
 def val_evaluator(target: LlamaTarget, val: list, layers: list[int], max_new: int, batch: int = 8):
@@ -187,7 +200,7 @@ def train_one(a: argparse.Namespace, name: str, cache_shared: dict | None = None
     bs = a.eagle_batch_size if DRAFTERS[name][0] == "eagle" else a.batch_size
     tc = TrainConfig(steps=a.steps, batch_size=bs, anchors_per_seq=a.anchors, lr=a.lr, seed=a.seed + SEED_OFFSET.get(name, 0),
                      warmup=a.warmup, log_every=a.log_every, time_limit_s=a.time_limit,
-                     eval_at=tuple(a.eval_at), keep_best=not a.no_keep_best)
+                     eval_at=tuple(a.eval_at), keep_best=not a.no_keep_best, w_ce=a.w_ce, w_tv=a.w_tv)
     cache = FeatureCache.from_shared(cache_shared) if cache_shared is not None else None
     evaluate = val_evaluator(target, data["val"], target_layers(target.shape), a.val_max_new)
     curve: list = []
@@ -226,7 +239,8 @@ def train_one(a: argparse.Namespace, name: str, cache_shared: dict | None = None
                             "train_answer_tokens": sum(len(s) - p for s, p in data["train"]), "name": name,
                             "learning_curve": curve, "val_sequences": len(data["val"]),
                             "seed": a.seed + SEED_OFFSET.get(name, 0), "shared_feature_cache": cache_shared is not None,
-                            "resumed_from_step": resume.step if resume is not None else None})
+                            "resumed_from_step": resume.step if resume is not None else None,
+                            "loss": {"w_ce": a.w_ce, "w_tv": a.w_tv} if a.w_tv > 0 else {"ce": 1.0}})
     print("TRAIN", name, json.dumps({"parameters": parameter_count(model), "steps": steps_done, "seconds": train_s,
                                      "curve": [(c["progress"], c["step"], round(c["val"], 4)) for c in curve],
                                      "last": hist[-1], "ece_tf_after": cal["ece_after_pooled"]}), flush=True)
@@ -256,9 +270,11 @@ def cmd_train_group(a: argparse.Namespace) -> None:
         if a.max_train_seqs:
             data["train"] = data["train"][: a.max_train_seqs]
         t0 = time.perf_counter()
-        cache = FeatureCache(target, data["train"], target_layers(target.shape))
+        cache = FeatureCache(target, data["train"], target_layers(target.shape), final_hidden=a.w_tv > 0)
+        fin = cache.final
         print("CACHE", json.dumps({"seqs": cache.num_seqs, "tokens": int(cache.tokens.numel()),
                                    "gb": cache.feats.numel() * cache.feats.element_size() / 1e9,
+                                   "final_hidden_gb": 0.0 if fin is None else fin.numel() * fin.element_size() / 1e9,
                                    "seconds": time.perf_counter() - t0}), flush=True)
         del target
         ctx = mp.get_context("spawn")
@@ -306,6 +322,10 @@ def main() -> None:
     ap.add_argument("--max-prompts", type=int, default=100000)
     ap.add_argument("--max-answer", type=int, default=192)
     ap.add_argument("--gen-batch", type=int, default=2048)
+    ap.add_argument("--gen-temperature", type=float, default=0.0, help="train answers sampled at this temperature (0: greedy)")
+    ap.add_argument("--gen-seed", type=int, default=0)
+    ap.add_argument("--w-ce", type=float, default=1.0, help="with --w-tv > 0: the CE weight of the distribution loss")
+    ap.add_argument("--w-tv", type=float, default=0.0, help="> 0: w_ce CE + w_tv TV(p_target, q_draft) (needs final hidden states)")
     ap.add_argument("--test-prompts", type=int, default=128)
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")

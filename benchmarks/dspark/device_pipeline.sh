@@ -22,6 +22,8 @@ stage start
 if ls $W/answers_0.xz $W/answers_1.xz >/dev/null 2>&1 && ! ls $W/answers_*.pt >/dev/null 2>&1; then
   for s in 0 1; do $B restore --work $W --prompts $W/prompts.pt --shard $s --shards 2 ${GEN_ARGS:-} > $L/gen_$s.log 2>&1 & done
   wait
+  # carried answers of another temperature are refused: regenerate both shards (and return them)
+  if ! ls $W/answers_0.pt $W/answers_1.pt >/dev/null 2>&1; then rm -f $W/answers_*.pt $W/answers_carried; fi
 fi
 if ! ls $W/answers_*.pt >/dev/null 2>&1; then
   for s in 0 1; do CUDA_VISIBLE_DEVICES=$s $B gen --work $W --prompts $W/prompts.pt --shard $s --shards 2 ${GEN_ARGS:-} > $L/gen_$s.log 2>&1 & done

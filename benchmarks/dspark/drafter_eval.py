@@ -1,8 +1,11 @@
 """Benchmark (GPU machine, plain torch): measure trained drafters with the reference loop.
 
 Phases (one process each; `device_pipeline.sh` runs `accept` side by side, `timing` alone per GPU):
-  accept --name N     held-out greedy runs at full verify length: accept length per step and per
-                      position, verify tokens; sampling (temperature 1) accept length; in-loop
+  accept --name N     held-out runs at full verify length: accept length per step and per
+                      position, verify tokens; greedy by default, with a sampling (temperature 1)
+                      accept length on --sample-prompts; with --eval-temperature T > 0 (run 7) the
+                      headline figures, records and in-loop calibration are at T on ALL test /
+                      calibration prompts and the greedy figures are secondary (entry "greedy"); in-loop
                       calibration: the loop's own (confidence, accepted) records on the calibration
                       prompts fit per-position temperatures (SGLang's STS) and temperature + bias,
                       ECE measured on the test prompts' records (the STS file is rewritten with the
@@ -76,6 +79,20 @@ def generate(target, model, prompts, *, batch: int, temperature: float = 0.0, ma
     return runs
 
 
+def run_stats(runs: list[SpecResult]) -> dict:
+    """Accept length per step (mean, median), P(>= k drafts accepted), the conditional P(k | k-1),
+    verify tokens (per accepted token), target steps."""
+    acc = torch.cat([r.accept_lengths() for r in runs])
+    n_acc = torch.cat([rec.accepted for r in runs for rec in r.records])
+    rates = [float((n_acc >= k).float().mean()) for k in range(1, GAMMA + 1)]
+    cond = [rates[0]] + [rates[k] / rates[k - 1] if rates[k - 1] > 0 else 0.0 for k in range(1, GAMMA)]
+    vt = sum(r.verify_tokens() for r in runs)
+    return {"accept_len": float(acc.mean()), "accept_len_per_step_median": float(acc.median()),
+            "accept_rate_per_position": rates, "accept_conditional_per_position": cond, "verify_tokens": vt,
+            "verify_tokens_per_accepted_token": vt / float(acc.sum()), "target_steps": sum(r.steps for r in runs),
+            "verify_steps": int(acc.numel())}
+
+
 def cmd_accept(a: argparse.Namespace) -> None:
     target, _ = load_target(a.work)
     data = load_answers(a.work)
@@ -83,9 +100,18 @@ def cmd_accept(a: argparse.Namespace) -> None:
     calib = [s[:p] for s, p in data["calib"]]
     model, meta = _drafter(a.work, a.name, target.dtype)
     walk_test = val_evaluator(target, data["test"][: a.test_prompts], target_layers(target.shape), a.max_new)
-    runs = generate(target, model, test, batch=a.batch, max_new=a.max_new, eos=a.eos)
-    samp = generate(target, model, test[: a.sample_prompts], batch=a.batch, temperature=1.0, max_new=a.max_new, eos=a.eos)
-    cal_runs = generate(target, model, calib, batch=a.batch, max_new=a.max_new, eos=a.eos)
+    temp = a.eval_temperature
+    runs = generate(target, model, test, batch=a.batch, max_new=a.max_new, eos=a.eos, temperature=temp, seed=a.seed)
+    if temp > 0:  # greedy secondary, on the same prompts
+        greedy_runs = generate(target, model, test, batch=a.batch, max_new=a.max_new, eos=a.eos)
+        samp = runs if temp == 1.0 else generate(target, model, test, batch=a.batch, temperature=1.0, max_new=a.max_new,
+                                                 eos=a.eos, seed=a.seed)
+    else:
+        greedy_runs = runs
+        samp = generate(target, model, test[: a.sample_prompts], batch=a.batch, temperature=1.0, max_new=a.max_new,
+                        eos=a.eos, seed=a.seed)
+    cal_runs = generate(target, model, calib, batch=a.batch, max_new=a.max_new, eos=a.eos, temperature=temp,
+                        seed=a.seed + 1_000_003)
     acc = torch.cat([r.accept_lengths() for r in runs])
     recs = [rec for r in runs for rec in r.records]
     n_acc = torch.cat([r.accepted for r in recs])
@@ -110,6 +136,10 @@ def cmd_accept(a: argparse.Namespace) -> None:
         "accept_len": float(acc.mean()), "accept_len_per_step_median": float(acc.median()),
         "accept_rate_per_position": [float((n_acc >= k).float().mean()) for k in range(1, GAMMA + 1)],
         "accept_len_sampling_t1": float(torch.cat([r.accept_lengths() for r in samp]).mean()),
+        "sampling_t1_prompts": sum(len(r.outputs) for r in samp),
+        "eval_temperature": temp, "headline": run_stats(runs), "greedy": run_stats(greedy_runs),
+        "accept_len_greedy": float(torch.cat([r.accept_lengths() for r in greedy_runs]).mean()),
+        "loss": meta.get("loss", {"ce": 1.0}),
         "verify_tokens": sum(r.verify_tokens() for r in runs),
         "verify_tokens_per_accepted_token": sum(r.verify_tokens() for r in runs) / float(acc.sum()),
         "target_steps": sum(r.steps for r in runs), "test_prompts": len(test),
@@ -241,7 +271,7 @@ def cmd_merge(a: argparse.Namespace) -> None:
     if fp.exists():
         res["fp32_losslessness"] = json.loads(fp.read_text())
     (a.out / "dspark_gpu.json").write_text(json.dumps(res, indent=1))
-    print("MERGE", json.dumps({k: {kk: vv for kk, vv in v.items() if kk in ("accept_len", "accept_len_walk_test", "tokens_per_s_bs1",
+    print("MERGE", json.dumps({k: {kk: vv for kk, vv in v.items() if kk in ("accept_len", "accept_len_greedy", "accept_len_walk_test", "tokens_per_s_bs1",
                                                                            "tokens_per_s_bs16", "ece", "train_steps")}
                                for k, v in res["drafters"].items()}), flush=True)
 
@@ -258,7 +288,10 @@ def main() -> None:
     ap.add_argument("--costs", action="store_true")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--test-prompts", type=int, default=128)
-    ap.add_argument("--sample-prompts", type=int, default=64)
+    ap.add_argument("--sample-prompts", type=int, default=64, help="greedy mode: prompts of the secondary T=1 figure")
+    ap.add_argument("--eval-temperature", type=float, default=0.0,
+                    help="> 0: headline figures, records and in-loop calibration at this temperature on all prompts")
+    ap.add_argument("--seed", type=int, default=0, help="sampling runs: generator seed (per batch: seed + first prompt index)")
     ap.add_argument("--bs16-prompts", type=int, default=32)
     ap.add_argument("--bs1-prompts", type=int, default=8)
     ap.add_argument("--max-new", type=int, default=128)

@@ -1,7 +1,7 @@
 """Layer: plugin tooling (no SGLang import). Training data: prompts, the target's own answers, batches.
 
-The drafter learns to predict the target, so the training text is the target's greedy answer to
-each prompt (prompt tokens are context only). `TokenizedPrompts` is what travels to a machine
+The drafter learns to predict the target, so the training text is the target's own answer to
+each prompt (prompt tokens are context only): greedy, or sampled at a temperature (`generate_answers`). `TokenizedPrompts` is what travels to a machine
 without a tokenizer (flat int32 token arrays, xz-compressed: the ~60K multi-turn prompts share
 most of their context with their conversation's earlier prompts); `generate_answers` runs there
 with the reference Llama. `turn_prompts` makes a prompt of every user turn of a conversation, with
@@ -65,10 +65,14 @@ def unpack_lists(packed: dict[str, torch.Tensor]) -> list[list[int]]:
     return [r.tolist() for r in torch.split(packed["flat"], packed["lens"].tolist())] if packed["lens"].numel() else []
 
 
-def save_answers(path: Path, splits: dict[str, Sequence[tuple[list[int], int]]]) -> None:
+def save_answers(path: Path, splits: dict[str, Sequence[tuple[list[int], int]]],
+                 meta: dict[str, float] | None = None) -> None:
     """The answer part of (prompt + answer, prompt length) sequences per split, xz-compressed: what a
-    later run needs, beside the prompt file, to skip generation."""
-    d = {k: pack_lists([s[p:] for s, p in v]) for k, v in splits.items()}
+    later run needs, beside the prompt file, to skip generation. `meta` (e.g. the sampling
+    temperature of the train answers) travels with them (`answers_meta`)."""
+    d: dict[str, Any] = {k: pack_lists([s[p:] for s, p in v]) for k, v in splits.items()}
+    if meta:
+        d["_meta"] = {k: float(v) for k, v in meta.items()}
     buf = io.BytesIO()
     torch.save(d, buf)
     Path(path).write_bytes(lzma.compress(buf.getvalue(), preset=6))
@@ -77,6 +81,7 @@ def save_answers(path: Path, splits: dict[str, Sequence[tuple[list[int], int]]])
 def load_answers_for(path: Path, prompts: dict[str, Sequence[Sequence[int]]]) -> dict[str, list[tuple[list[int], int]]]:
     """`save_answers`' file joined again with the prompts it answered (same splits, same order)."""
     d = torch.load(io.BytesIO(lzma.decompress(Path(path).read_bytes())), weights_only=True)
+    d.pop("_meta", None)
     out: dict[str, list[tuple[list[int], int]]] = {}
     for k, packed in d.items():
         answers = unpack_lists(packed)
@@ -84,6 +89,12 @@ def load_answers_for(path: Path, prompts: dict[str, Sequence[Sequence[int]]]) ->
             raise ValueError(f"{path}: {len(answers)} answers for {len(prompts[k])} {k} prompts")
         out[k] = [(list(p) + a, len(p)) for p, a in zip(prompts[k], answers)]
     return out
+
+
+def answers_meta(path: Path) -> dict[str, float]:
+    """What `save_answers` recorded beside the answers; files without it hold greedy answers."""
+    d = torch.load(io.BytesIO(lzma.decompress(Path(path).read_bytes())), weights_only=True)
+    return dict(d.get("_meta") or {"train_temperature": 0.0})
 
 
 class ChatMLSegments:
@@ -180,14 +191,24 @@ def split_prompts(prompts: list[list[int]], *, n_calib: int, n_test: int, seed: 
 
 
 def generate_answers(target: LlamaTarget, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eos_id: int,
-                     batch_size: int = 256) -> list[tuple[list[int], int]]:
-    """(prompt + greedy answer, prompt length) per prompt; batches sorted by prompt length."""
+                     batch_size: int = 256, temperature: float = 0.0, seed: int = 0) -> list[tuple[list[int], int]]:
+    """(prompt + answer, prompt length) per prompt; batches sorted by prompt length.
+
+    Greedy by default (runs 1-6). With `temperature` > 0 each answer token is drawn from the
+    target's softmax(logits / temperature) (DeepSpec regenerates its training answers at 0.7) by
+    one generator seeded with `seed` on the target's device: the same prompts, batch size and seed
+    give the same answers.
+    """
+    if temperature < 0:
+        raise ValueError("temperature must be >= 0")
+    gen = torch.Generator(device=target.device).manual_seed(seed) if temperature > 0 else None
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     seqs: list[tuple[list[int], int] | None] = [None] * len(prompts)
     for lo in range(0, len(order), batch_size):
         idx = order[lo:lo + batch_size]
         batch = [list(prompts[i]) for i in idx]
-        res = autoregressive_generate(target, batch, max_new_tokens=max_new_tokens, eos_id=eos_id)
+        res = autoregressive_generate(target, batch, max_new_tokens=max_new_tokens, eos_id=eos_id,
+                                      temperature=temperature, generator=gen)
         for i, p, ans in zip(idx, batch, res.outputs):
             seqs[i] = (p + ans, len(p))
         logger.info("generated %d/%d answers", min(lo + batch_size, len(order)), len(order))

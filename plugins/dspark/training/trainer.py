@@ -10,6 +10,9 @@ the answer part:
 Confidence heads learn BCE against "the draft equals the target token" on detached features, on
 the steps a verifier would reach (every earlier step of the block/chain right): that is what the
 confidence means in the loop, P(step k accepted | steps < k accepted).
+With `w_tv` > 0 (drafters for sampling, `dist_loss.py`) the loss is w_ce * CE + w_tv * TV(p_target,
+q_draft) per position and the confidence target is the acceptance probability 1 - TV, weighted by
+the probability of reaching the position; the cache must then hold the target's final hidden states.
 The learning rate follows warmup + cosine over progress = max(step / steps, elapsed / time limit),
 so a run cut by its time limit still ends annealed. AdamW is fused on CUDA.
 `evaluate` (e.g. the greedy accept length on a validation split, `walk_eval.py`) runs at the
@@ -38,6 +41,7 @@ from torch import nn
 from kllm_plugins.plugins.dspark.core.drafters import BlockDrafter, EagleDrafter, SharedTarget
 from kllm_plugins.plugins.dspark.core.target_llama import LlamaTarget
 from kllm_plugins.plugins.dspark.training.data import pad_batch
+from kllm_plugins.plugins.dspark.training.dist_loss import block_dist_losses, eagle_dist_losses
 from kllm_plugins.plugins.dspark.training.feature_cache import FeatureCache
 
 logger = logging.getLogger("kllm.dspark")
@@ -58,10 +62,16 @@ class TrainConfig:
     time_limit_s: float = 0.0
     eval_at: tuple[float, ...] = ()
     keep_best: bool = True
+    # distribution-matching loss (sampling drafters): w_ce * CE + w_tv * TV(p_target, q_draft);
+    # w_tv = 0 is the greedy runs' CE loss (w_ce is then ignored)
+    w_ce: float = 1.0
+    w_tv: float = 0.0
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.batch_size < 1 or self.anchors_per_seq < 1:
             raise ValueError("steps, batch_size and anchors_per_seq must be >= 1")
+        if self.w_ce < 0 or self.w_tv < 0 or (self.w_tv > 0 and self.w_ce + self.w_tv <= 0):
+            raise ValueError("w_ce and w_tv must be >= 0")
         if any(not 0.0 < f <= 1.0 for f in self.eval_at) or list(self.eval_at) != sorted(self.eval_at):
             raise ValueError("eval_at must be increasing progress fractions in (0, 1]")
 
@@ -133,13 +143,23 @@ def eagle_losses(shared: SharedTarget, out: dict[str, torch.Tensor], decay: floa
 def drafter_step(cache: FeatureCache, shared: SharedTarget, drafter: nn.Module, index: Sequence[int],
                  cfg: TrainConfig, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     tokens, plen, lens, feats = cache.batch(index)
+    dist = cfg.w_tv > 0
+    final = cache.final_batch(index) if dist else None
     with _autocast(tokens.device):
         if isinstance(drafter, EagleDrafter):
             out = drafter.train_forward(shared, feats, tokens, plen, lens - 1)
+            if final is not None:
+                return eagle_dist_losses(shared.logits, out, final, cfg.decay, cfg.w_ce, cfg.w_tv)
             return eagle_losses(shared, out, cfg.decay)
         assert isinstance(drafter, BlockDrafter)
         anchors = sample_anchors(plen, lens, drafter.gamma, cfg.anchors_per_seq, gen)
         out = drafter.train_forward(shared, feats, tokens, anchors)
+        if final is not None:
+            # the target's distribution of the token at anchor + k + 1 is read at anchor + k
+            b, n, g = out["labels"].shape
+            pos = (anchors.unsqueeze(-1) + torch.arange(g, device=anchors.device)).reshape(b, n * g, 1)
+            h = final.gather(1, pos.expand(b, n * g, final.shape[-1])).view(b, n, g, -1)
+            return block_dist_losses(out, shared.logits(h), cfg.decay, cfg.w_ce, cfg.w_tv)
         return block_losses(out, cfg.decay)
 
 
@@ -227,9 +247,11 @@ def train_drafter(target: LlamaTarget, drafter: nn.Module, seqs: Sequence[tuple[
         raise ValueError("no training sequence has an answer longer than the block")
     t_cache = time.perf_counter()
     if cache is None:
-        cache = FeatureCache(target, seqs, layers)
+        cache = FeatureCache(target, seqs, layers, final_hidden=cfg.w_tv > 0)
     elif cache.num_seqs != len(seqs):
         raise ValueError("the feature cache was built over other sequences")
+    if cfg.w_tv > 0 and cache.final is None:
+        raise ValueError("w_tv > 0 needs a feature cache built with final_hidden=True")
     shared = SharedTarget(target.embed, target.lm_head)
     params = [p for p in drafter.parameters() if p.requires_grad]
     fused = target.device.type == "cuda"
@@ -296,6 +318,8 @@ def train_drafter(target: LlamaTarget, drafter: nn.Module, seqs: Sequence[tuple[
         if step % cfg.log_every == 0 or step == cfg.steps - 1:
             rec = {"step": step, "ce": float(ce.detach()), "conf_bce": float(conf.detach()), "lr": lr,
                    "seconds": time.perf_counter() - t0, **{k: float(v) for k, v in info.items()}}
+            if cfg.w_tv > 0:
+                rec["loss"] = float(ce.detach())  # "ce" is then the info's CE part alone
             history.append(rec)
             logger.info("train %s step %d ce %.3f acc@1 %.3f acc %.3f", drafter.cfg.kind, step, rec["ce"],  # type: ignore[attr-defined]
                         rec["acc_k1"], rec["acc_mean"])
