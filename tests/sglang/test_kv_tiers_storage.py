@@ -227,6 +227,23 @@ def test_prefetch_is_not_started_when_its_first_page_is_not_in_l3(backend_factor
                                            storage_hit_end=64) is True
 
 
+def test_probe_runs_without_adaptive_thresholds_for_prefetches_hicache_would_start(backend_factory) -> None:
+    """With `adaptive_thresholds` off HiCache keeps its own threshold; a prefetch it would start is
+    still probed (a certain miss starts none), one it declines as too short is passed through."""
+    from kllm_plugins.plugins.kv_tiers import sglang_adapter as ad
+
+    b = backend_factory(min_reuse=1, adaptive_thresholds=False)
+    cache = _Cache()  # HiCache's default threshold, 256 tokens
+    assert ad.around_prefetch_from_storage(_Cache.prefetch, cache, "s", None, list(range(64))) is True
+    assert cache.calls == 1 and b.t.path_calls["probe"] == 0  # too short for HiCache: not probed
+    tokens = list(range(1000, 1512))
+    assert ad.around_prefetch_from_storage(_Cache.prefetch, cache, "m", None, tokens) is None
+    assert cache.calls == 1 and b.t.counts["prefetch_probe_miss"] == 1
+    _store_first_page(b, cache, tokens)
+    assert ad.around_prefetch_from_storage(_Cache.prefetch, cache, "h", None, tokens) is True
+    assert cache.calls == 2 and b.t.path_calls["probe"] == 2 and cache.prefetch_threshold == 256
+
+
 def test_probe_miss_of_a_continuation_still_shows_reuse(backend_factory) -> None:
     """Dormant (nothing written yet), every probe misses and no prefetch starts, so no L3 lookup
     happens; the hook still tells the policy what the lookup would have (a request extending a
