@@ -5,9 +5,10 @@ Phases (one process each; `device_pipeline.sh` chains them, several per GPU side
   gen   --shard i --shards n   the target's answers to shard i of the training prompts: greedy, or
                                with --gen-temperature T sampled at T (seeded: --gen-seed + 1000 i);
                                shard 0 also answers the calibration, test and validation prompts,
-                               always greedily (the greedy walk and checks read them; the sampling
-                               evaluation runs the loop on their prompts); also written compactly
-                               (answers_i.xz) for the way back
+                               greedily (the greedy walk and checks read them; the sampling
+                               evaluation runs the loop on their prompts), the validation prompts
+                               at --val-temperature (1.0 for --val-metric t1_expected); also written
+                               compactly (answers_i.xz) for the way back
   restore --shard i ...        answers_i.pt from a carried answers_i.xz and the same prompts (no generation)
   train --name N               one drafter: the target runs once over all training sequences
                                (`FeatureCache`, features kept on the GPU), then `--steps` optimizer
@@ -22,7 +23,8 @@ Phases (one process each; `device_pipeline.sh` chains them, several per GPU side
 After every evaluation each trainer writes its state to <work>/state_<name>/part_*.pt
 (`train_state.py`: bf16 weights in <= 15 MiB parts, the curve so far); with `--resume` a trainer
 continues from that state (on a fresh machine: carried back in by `device_run.sh put`).
-Both train phases evaluate the greedy accept length on the validation split (`walk_eval.py`) at
+Both train phases evaluate the greedy accept length on the validation split (`walk_eval.py`; with
+`--val-metric t1_expected` the expected temperature-1 accept length along answers sampled at 1.0) at
 `--eval-at` progress points, off the training clock: the learning curve; the best point's weights
 are kept (early stopping).
 Nothing here needs SGLang (none on the GPU machine); the target comes from `target_pack.py`.
@@ -136,7 +138,8 @@ def cmd_restore(a: argparse.Namespace) -> None:
     from kllm_plugins.plugins.dspark.training.data import answers_meta, load_answers_for
 
     meta = answers_meta(a.work / f"answers_{a.shard}.xz")
-    if float(meta.get("train_temperature", 0.0)) != a.gen_temperature:  # e.g. run 5's greedy answers in a sampling run
+    if (float(meta.get("train_temperature", 0.0)) != a.gen_temperature  # e.g. run 5's greedy answers in a sampling run
+            or float(meta.get("val_temperature", 0.0)) != a.val_temperature):
         print("GEN restore refused", json.dumps({"shard": a.shard, "carried": meta, "wanted": a.gen_temperature}), flush=True)
         raise SystemExit(4)
     vocab = int(json.loads((a.work / "config.json").read_text())["vocab_size"])
@@ -156,29 +159,43 @@ def cmd_gen(a: argparse.Namespace) -> None:
     out = shard_prompts(a)
     for split in ("train", "calib", "test", "val"):
         ps = [[t % target.shape.vocab_size for t in p] for p in out[split]]  # a no-op unless the dry run's tiny vocab
-        temp = a.gen_temperature if split == "train" else 0.0
+        temp = {"train": a.gen_temperature, "val": a.val_temperature}.get(split, 0.0)
         out[split] = generate_answers(target, ps, max_new_tokens=a.max_answer, eos_id=prompts.eos_id,
                                       batch_size=a.gen_batch, temperature=temp,
                                       seed=a.gen_seed + 1000 * a.shard) if ps else []
     torch.save(out, a.work / f"answers_{a.shard}.pt")
     save_answers(a.work / f"answers_{a.shard}.xz", out,  # brought back: a rerun can skip generation
-                 meta={"train_temperature": a.gen_temperature, "seed": a.gen_seed + 1000 * a.shard})
+                 meta={"train_temperature": a.gen_temperature, "val_temperature": a.val_temperature,
+                       "seed": a.gen_seed + 1000 * a.shard})
     n_tok = sum(len(s) - p for s, p in out["train"])
     print("GEN", json.dumps({"shard": a.shard, "seconds": time.perf_counter() - t0, "train_seqs": len(out["train"]),
                              "train_answer_tokens": n_tok, "train_temperature": a.gen_temperature,
                              "seed": a.gen_seed + 1000 * a.shard if a.gen_temperature > 0 else None}), flush=True)
 
 
-def val_evaluator(target: LlamaTarget, val: list, layers: list[int], max_new: int, batch: int = 8):
-    """mean greedy accept length over the validation sequences (their features computed once)."""
+def val_evaluator(target: LlamaTarget, val: list, layers: list[int], max_new: int, batch: int = 8,
+                  metric: str = "greedy_walk"):
+    """mean greedy accept length over the validation sequences (their features computed once);
+    metric t1_expected: the expected temperature-1 accept length (`walk_eval.expected_accept_length`)."""
     from kllm_plugins.plugins.dspark.training.feature_cache import FeatureCache
-    from kllm_plugins.plugins.dspark.training.walk_eval import walk_accept_lengths
+    from kllm_plugins.plugins.dspark.training.walk_eval import expected_accept_length, walk_accept_lengths
 
     if not val:
         return None
+    shared = SharedTarget(target.embed, target.lm_head)
+    if metric == "t1_expected":
+        cache = FeatureCache(target, val, layers, final_hidden=True)
+        step = max(1, batch // 2)  # vocabulary-sized tensors per anchor and step: smaller batches
+        fb = [(*cache.batch(range(i, min(i + step, len(val)))), cache.final_batch(range(i, min(i + step, len(val)))))
+              for i in range(0, len(val), step)]
+
+        def evaluate_t1(model: torch.nn.Module) -> float:
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device() == "cuda"):
+                return expected_accept_length(model, shared, fb, max_anchors=max(1, max_new // 2))
+
+        return evaluate_t1
     cache = FeatureCache(target, val, layers)
     batches = [cache.batch(range(i, min(i + batch, len(val)))) for i in range(0, len(val), batch)]
-    shared = SharedTarget(target.embed, target.lm_head)
 
     def evaluate(model: torch.nn.Module) -> float:
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device() == "cuda"):
@@ -202,7 +219,7 @@ def train_one(a: argparse.Namespace, name: str, cache_shared: dict | None = None
                      warmup=a.warmup, log_every=a.log_every, time_limit_s=a.time_limit,
                      eval_at=tuple(a.eval_at), keep_best=not a.no_keep_best, w_ce=a.w_ce, w_tv=a.w_tv)
     cache = FeatureCache.from_shared(cache_shared) if cache_shared is not None else None
-    evaluate = val_evaluator(target, data["val"], target_layers(target.shape), a.val_max_new)
+    evaluate = val_evaluator(target, data["val"], target_layers(target.shape), a.val_max_new, metric=a.val_metric)
     curve: list = []
     state_dir = a.work / f"state_{name}"
     resume, best_w = None, None
@@ -237,7 +254,7 @@ def train_one(a: argparse.Namespace, name: str, cache_shared: dict | None = None
                             "train_seconds": train_s, "steps_done": steps_done, "batch_sequences": bs,
                             "anchors_per_seq": a.anchors, "train_sequences": len(data["train"]),
                             "train_answer_tokens": sum(len(s) - p for s, p in data["train"]), "name": name,
-                            "learning_curve": curve, "val_sequences": len(data["val"]),
+                            "learning_curve": curve, "val_sequences": len(data["val"]), "val_metric": a.val_metric,
                             "seed": a.seed + SEED_OFFSET.get(name, 0), "shared_feature_cache": cache_shared is not None,
                             "resumed_from_step": resume.step if resume is not None else None,
                             "loss": {"w_ce": a.w_ce, "w_tv": a.w_tv} if a.w_tv > 0 else {"ce": 1.0}})
@@ -324,6 +341,9 @@ def main() -> None:
     ap.add_argument("--gen-batch", type=int, default=2048)
     ap.add_argument("--gen-temperature", type=float, default=0.0, help="train answers sampled at this temperature (0: greedy)")
     ap.add_argument("--gen-seed", type=int, default=0)
+    ap.add_argument("--val-temperature", type=float, default=0.0, help="validation answers sampled at this temperature")
+    ap.add_argument("--val-metric", choices=("greedy_walk", "t1_expected"), default="greedy_walk",
+                    help="t1_expected: expected temperature-1 accept length (validation answers sampled at 1.0)")
     ap.add_argument("--w-ce", type=float, default=1.0, help="with --w-tv > 0: the CE weight of the distribution loss")
     ap.add_argument("--w-tv", type=float, default=0.0, help="> 0: w_ce CE + w_tv TV(p_target, q_draft) (needs final hidden states)")
     ap.add_argument("--test-prompts", type=int, default=128)

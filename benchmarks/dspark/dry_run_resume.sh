@@ -10,13 +10,16 @@ D=${1:-/tmp/dsp_dry}
 TINY=$(python -m kllm_plugins.models.tiny_llama)
 rm -rf $D && mkdir -p $D/carry1 $D/out1 $D/out2
 cp $TINY/config.json $TINY/model.safetensors $D/carry1/
-cp .dspark_carry/prompts.pt $D/carry1/ 2>/dev/null || { echo "need .dspark_carry/prompts.pt"; exit 2; }
+# DRY_PROMPTS=prompts_turns.pt: the every-turn prompt file (it has the validation split the curves need)
+cp .dspark_carry/${DRY_PROMPTS:-prompts.pt} $D/carry1/prompts.pt 2>/dev/null || { echo "need .dspark_carry/${DRY_PROMPTS:-prompts.pt}"; exit 2; }
 # DRY_G0/DRY_G1/DRY_T0/DRY_T1/DRY_FP32 try another run's drafter names (e.g. next_run6.env's)
 export G0=${DRY_G0:-dspark} G1=${DRY_G1:-eagle} SKIP_IPC=1 SHIM=$D/shim T0_NAMES=${DRY_T0:-dspark} T1_NAMES=${DRY_T1:-eagle}
 export FP32_NAMES=${DRY_FP32:-"dspark eagle"}
-export GEN_ARGS="--max-prompts 48 --test-prompts 8 --val-prompts 8 --max-answer 24 --gen-batch 64"
-export TRAIN_ARGS="--steps 100000 --time-limit 40 --batch-size 4 --eagle-batch-size 4 --anchors 4 --val-max-new 16 --log-every 20"
-export ACCEPT_ARGS="--test-prompts 4 --sample-prompts 2 --max-new 16"
+# DRY_GEN_EXTRA/DRY_TRAIN_EXTRA/DRY_ACCEPT_EXTRA add a run's own flags (run 7: sampled answers,
+# the distribution loss, temperature-1 evaluation: see next_run7.env's header)
+export GEN_ARGS="--max-prompts 48 --test-prompts 8 --val-prompts 8 --max-answer 24 --gen-batch 64 ${DRY_GEN_EXTRA:-}"
+export TRAIN_ARGS="--steps 100000 --time-limit 40 --batch-size 4 --eagle-batch-size 4 --anchors 4 --val-max-new 16 --log-every 20 ${DRY_TRAIN_EXTRA:-}"
+export ACCEPT_ARGS="--test-prompts 4 --sample-prompts 2 --max-new 16 ${DRY_ACCEPT_EXTRA:-}"
 export TIMING_ARGS="--bs16-prompts 4 --bs1-prompts 2 --max-new 8 --cost-batches 1 4"
 export FP32_ARGS="--test-prompts 2 --max-new 8"
 echo "== machine 1: full, cut after LIMIT"

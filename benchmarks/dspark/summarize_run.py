@@ -60,6 +60,10 @@ def drafter_row(name: str, e: dict) -> dict:
         "accept_rate_per_position": [round(r, 4) for r in rates],
         "accept_conditional_per_position": [round(r, 4) for r in conditional(rates)],
         "accept_len_sampling_t1": e.get("accept_len_sampling_t1"),
+        # run 7 on: accept_len is at eval_temperature (1.0), the greedy figures are secondary
+        "eval_temperature": e.get("eval_temperature", 0.0), "accept_len_greedy": e.get("accept_len_greedy"),
+        "greedy_accept_rate_per_position": (e.get("greedy") or {}).get("accept_rate_per_position"),
+        "loss": e.get("loss"),
         "verify_tokens": e.get("verify_tokens"), "verify_tokens_per_accepted_token": e.get("verify_tokens_per_accepted_token"),
         "parameters": e.get("parameters"), "train_steps": e.get("train_steps"), "train_seconds": e.get("train_seconds"),
         "learning_curve": flatness(e.get("learning_curve", [])),

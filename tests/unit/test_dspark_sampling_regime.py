@@ -17,6 +17,7 @@ from kllm_plugins.plugins.dspark.training.data import (answers_meta, generate_an
 from kllm_plugins.plugins.dspark.training.dist_loss import (block_dist_losses, reach_probability, tv_distance)
 from kllm_plugins.plugins.dspark.training.feature_cache import FeatureCache
 from kllm_plugins.plugins.dspark.training.trainer import TrainConfig, drafter_step, train_drafter
+from kllm_plugins.plugins.dspark.training.walk_eval import expected_accept_length, expected_accepts
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_dspark_spec_loop import chisquare_pvalue, drafter_for, random_target  # noqa: E402
@@ -136,7 +137,38 @@ def test_tv_training_moves_each_drafter_towards_the_targets_distribution(kind: s
                     for i in range(0, 12, 4)]
         return sum(vals) / len(vals)
 
-    before = tv_now()
+    batches = [(*cache.batch(range(i, i + 4)), cache.final_batch(range(i, i + 4))) for i in range(0, 12, 4)]
+    before, e_before = tv_now(), expected_accept_length(model, shared, batches)
     train_drafter(target, model, seqs, cfg, cache=cache)
-    after = tv_now()
+    after, e_after = tv_now(), expected_accept_length(model, shared, batches)
     assert after < 0.85 * before, (before, after)
+    # the temperature-1 validation measure rises with it (and stays within 1 .. gamma + 1)
+    assert 1.0 <= e_before < e_after <= 4.0, (e_before, e_after)
+
+
+def test_expected_accepts_is_the_product_of_acceptance_probabilities() -> None:
+    target = random_target(16, seed=5)
+    model = drafter_for(target, "dspark", gamma=3)
+    shared = SharedTarget(target.embed, target.lm_head)
+    g = torch.Generator().manual_seed(2)
+    seqs = [(torch.randint(0, 16, (14,), generator=g).tolist(), 4), (torch.randint(0, 16, (9,), generator=g).tolist(), 3)]
+    cache = FeatureCache(target, seqs, list(model.cfg.target_layer_ids), final_hidden=True)
+    tokens, plen, lens, feats = cache.batch([0, 1])
+    final = cache.final_batch([0, 1])
+    total, count = expected_accepts(model, shared, feats, tokens, plen, lens, final, max_anchors=8, stride=1)
+    ref_total, ref_count = 0.0, 0
+    torch.set_grad_enabled(False)
+    for row, (seq, p) in enumerate(seqs):
+        for a in range(p, len(seq) - 1 - 3 + 1):  # every anchor with a whole block in the answer
+            ref_count += 1
+            logits_t, _ = target.full_forward(torch.tensor([seq]))
+            out = model.train_forward(shared, feats[row:row + 1, :len(seq)], tokens[row:row + 1, :len(seq)],
+                                      torch.tensor([[a]]))
+            surv = 1.0
+            for k in range(3):  # step k drafts the token at a + k + 1: the target's p is read at a + k
+                pt = torch.softmax(logits_t[0, a + k].double(), -1)
+                q = torch.softmax(out["logits"][0, 0, k].double(), -1)
+                surv *= float(torch.minimum(pt, q).sum())
+                ref_total += surv
+    torch.set_grad_enabled(True)
+    assert count == ref_count and abs(total - ref_total) < 1e-6
