@@ -156,6 +156,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--answer-temperature", type=float, default=0.0,
+                    help="training answers sampled from the target at this temperature (0: greedy; DeepSpec: 0.7)")
+    ap.add_argument("--w-ce", type=float, default=1.0, help="with --w-tv > 0: weight of the CE term")
+    ap.add_argument("--w-tv", type=float, default=0.0,
+                    help="> 0: loss w_ce CE + w_tv TV(p_target, q_draft), confidence target 1 - TV (DeepSpec: 0.1 / 0.9)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.manual_seed(args.seed)
@@ -166,8 +171,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                prompts_from_sharegpt(args.target, n_prompts=args.num_prompts, n_calib=args.num_calib,
                                      n_test=args.num_test, max_prompt_tokens=args.max_prompt_tokens, seed=args.seed))
     t0 = time.perf_counter()
-    gen = lambda ps: generate_answers(target, ps, max_new_tokens=args.max_answer_tokens, eos_id=prompts.eos_id)  # noqa: E731
-    train_seqs, calib_seqs, test_seqs = gen(prompts.train), gen(prompts.calib), gen(prompts.test)
+    gen = lambda ps, t=0.0: generate_answers(target, ps, max_new_tokens=args.max_answer_tokens,  # noqa: E731
+                                             eos_id=prompts.eos_id, temperature=t, seed=args.seed)
+    train_seqs = gen(prompts.train, args.answer_temperature)  # held-out answers stay greedy (teacher-forced ECE)
+    calib_seqs, test_seqs = gen(prompts.calib), gen(prompts.test)
     logger.info("answers generated in %.1fs", time.perf_counter() - t0)
     layers = ([int(x) for x in args.target_layers.split(",")] if args.target_layers
               else default_target_layers(shape.num_layers, 3))
@@ -183,13 +190,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     logger.info("drafter %s: %d trainable parameters", args.kind, parameter_count(model))
     history = train_drafter(target, model, train_seqs, TrainConfig(steps=args.steps, batch_size=args.batch_size,
                                                                    anchors_per_seq=args.anchors_per_seq, lr=args.lr,
-                                                                   seed=args.seed))
+                                                                   seed=args.seed, w_ce=args.w_ce, w_tv=args.w_tv))
     cal = calibrate(target, model, calib_seqs, test_seqs)
     logger.info("ECE pooled before %.4f after %.4f", cal["ece_before_pooled"], cal["ece_after_pooled"])
     write_checkpoint(model, args.out, num_target_layers=shape.num_layers, temperatures=cal["temperatures"],
                      ece_before=cal["ece_before"], ece_after=cal["ece_after"], sts_dataset=prompts.source,
                      sts_samples=cal["calib_samples"], shared=SharedTarget(target.embed, target.lm_head),
-                     extra={"parameters": parameter_count(model), "history": history, "calibration": cal})
+                     extra={"parameters": parameter_count(model), "history": history, "calibration": cal,
+                            "loss": {"w_ce": args.w_ce, "w_tv": args.w_tv} if args.w_tv > 0 else {"ce": 1.0},
+                            "answer_temperature": args.answer_temperature})
     logger.info("checkpoint written to %s", args.out)
     return 0
 

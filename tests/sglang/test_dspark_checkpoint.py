@@ -58,10 +58,14 @@ def test_trained_checkpoints_load_into_sglang_dspark_draft_model(tmp_path: Path,
         "--markov-rank", "16", "--layers", "1", "--block-size", "4", "--target-layers", "1,2",
         "--prompts", str(_prompts(tmp_path / "p.pt", 4096)), "--max-answer-tokens", "10", "--steps", "3",
         "--batch-size", "4", "--anchors-per-seq", "4", "--device", "cpu",
+        # run 7's regime through the command: sampled answers, 0.1 CE + 0.9 TV (same checkpoint format)
+        "--answer-temperature", "0.7", "--w-ce", "0.1", "--w-tv", "0.9",
     ])
     assert rc == 0
     meta = json.loads((cli_out / "kllm_drafter.json").read_text())
     assert len(meta["history"]) >= 2 and meta["calibration"]["test_samples"] > 0
+    assert meta["loss"] == {"w_ce": 0.1, "w_tv": 0.9} and meta["answer_temperature"] == 0.7
+    assert "tv" in meta["history"][0]
     folders = {"rnn": cli_out, "gated": _train_api("gated", tmp_path / "draft-gated", tiny_model_path),
                "vanilla": _train_api("vanilla", tmp_path / "draft-vanilla", tiny_model_path),
                # trained with the tied (factorised) Markov head, exported as the equivalent untied head
