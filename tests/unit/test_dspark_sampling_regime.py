@@ -141,7 +141,7 @@ def test_tv_training_moves_each_drafter_towards_the_targets_distribution(kind: s
     before, e_before = tv_now(), expected_accept_length(model, shared, batches)
     train_drafter(target, model, seqs, cfg, cache=cache)
     after, e_after = tv_now(), expected_accept_length(model, shared, batches)
-    assert after < 0.85 * before, (before, after)
+    assert after < 0.9 * before, (before, after)
     # the temperature-1 validation measure rises with it (and stays within 1 .. gamma + 1)
     assert 1.0 <= e_before < e_after <= 4.0, (e_before, e_after)
 
