@@ -127,6 +127,7 @@ def test_new_modules_import_without_sglang() -> None:
         "import kllm_plugins.plugins.dspark.core.drafters, kllm_plugins.plugins.dspark.core.spec_loop\n"
         "import kllm_plugins.plugins.dspark.core.draft_runtime, kllm_plugins.plugins.dspark.core.calibration\n"
         "import kllm_plugins.plugins.dspark.train, kllm_plugins.plugins.dspark.training.export\n"
+        "import kllm_plugins.plugins.dspark.training.dist_loss, kllm_plugins.plugins.dspark.training.walk_eval\n"
         "assert not any(m.startswith('sglang') and sys.modules[m] is not None for m in sys.modules)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
