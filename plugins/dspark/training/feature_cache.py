@@ -54,6 +54,8 @@ class FeatureCache:
         cap = sorted(set(layers) | ({last} if final_hidden else set()))
         h = target.shape.hidden_size
         pick = [cap.index(i) for i in layers]
+        offs_host = self.offsets.tolist()  # host copies: no device sync per row below
+        aoffs_host = self.aoffsets.tolist()
         order = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]))
         lo = 0
         while lo < len(order):
@@ -61,7 +63,7 @@ class FeatureCache:
             while hi < len(order) and (hi + 1 - lo) * len(seqs[order[hi]][0]) <= max_batch_tokens:
                 hi += 1
             idx = order[lo:hi]
-            tokens, _, blens = pad_batch([seqs[i] for i in idx], 0, dev)
+            tokens, _, _ = pad_batch([seqs[i] for i in idx], 0, dev)
             _, raw = target.full_forward(tokens, capture_layers=cap, want_logits=False)
             assert raw is not None
             feats = torch.cat([raw[..., j * h:(j + 1) * h] for j in pick], dim=-1) if pick != list(range(len(cap))) else raw
@@ -70,10 +72,10 @@ class FeatureCache:
                 j = cap.index(last)
                 fin = rms_norm(raw[..., j * h:(j + 1) * h], target.final_norm, target.shape.rms_norm_eps)
             for row, i in enumerate(idx):
-                o, n = int(self.offsets[i]), int(blens[row])
+                o, n = offs_host[i], len(seqs[i][0])
                 self.feats[o:o + n] = feats[row, :n]
                 if fin is not None:
-                    p, ao = seqs[i][1], int(self.aoffsets[i])
+                    p, ao = seqs[i][1], aoffs_host[i]
                     self.final[ao:ao + n - p] = fin[row, p:n]
             lo = hi
         logger.info("feature cache: %d sequences, %d tokens, %.2f GB", len(seqs), total,
