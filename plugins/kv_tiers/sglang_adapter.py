@@ -33,7 +33,7 @@ from kllm_plugins.plugins.kv_tiers.core.fetch_policy import FetchOrRecompute
 from kllm_plugins.plugins.kv_tiers.core.file_store import FilePageStore, StoreStats
 from kllm_plugins.plugins.kv_tiers.core.held_pages import HeldPages
 from kllm_plugins.plugins.kv_tiers.core.persistence import BusyMeter, PersistencePolicy
-from kllm_plugins.plugins.kv_tiers.core.prefetch_gate import PrefetchGate
+from kllm_plugins.plugins.kv_tiers.core.prefetch_gate import GateDecision, PrefetchGate
 from kllm_plugins.plugins.kv_tiers.core.tier_events import TierEventLog
 
 logger = logging.getLogger("kllm.kv_tiers")
@@ -524,6 +524,11 @@ def around_prefetch_from_storage(original: Callable[..., Any], self: Any, reques
         if adaptive:
             ops, tokens = _inflight(self)
             d = t.gate.decide(len(new_input_tokens), min_tokens, ops, tokens)
+            if d.reason == "recompute_cheaper" and t.fetch.explore_refused("l3"):
+                # every explore_every-th refusal fetches anyway: a store that got faster is re-measured
+                d = GateDecision(True, "explore")
+                self.prefetch_threshold = page
+                t.count("prefetch_explored")
             t._m_prefetch.labels(d.reason).inc()
             if not d.admit:
                 t.count("prefetch_refused")
@@ -592,6 +597,9 @@ def around_init_load_back(original: Callable[..., Any], self: Any, *args: Any, *
     if t.fetch is not None and t.cfg.adaptive_thresholds:
         m = t.fetch.min_fetch_tokens("l2")
         t.note_threshold("l2", m)
+        if m == float("inf") and t.fetch.explore_refused("l2"):
+            m = 0  # every explore_every-th refused load-back loads anyway: L2 is re-measured
+            t.count("l2_explored")
         self.load_back_threshold = _NO_FETCH_THRESHOLD if m == float("inf") else int(m)
     t0 = time.perf_counter()
     result = original(self, *args, **kwargs)

@@ -431,6 +431,24 @@ def test_load_back_hook_measures_and_sets_threshold(backend_factory) -> None:
     assert b.t.fetch.tiers["l2"].samples == 1 and b.t.counts["l2_loaded_tokens"] == 128
 
 
+def test_load_back_refused_as_slow_is_explored_every_nth_time(backend_factory) -> None:
+    """An L2 measured slower than recomputing sets the load-back threshold to "never", except every
+    `explore_every`-th time, when the load-back runs so that L2 is re-measured."""
+    from kllm_plugins.plugins.kv_tiers import sglang_adapter as ad
+
+    b = backend_factory(explore_every=4)
+    for n in (16, 64, 256) * 5:  # measured: host copies at 0.1 MB/s
+        b.t.fetch.observe_transfer("l2", n * 2048, n * 2048 / 1e5)
+    assert b.t.fetch.min_fetch_tokens("l2") == float("inf")
+    cache = _Cache()
+    thresholds = []
+    for _ in range(8):
+        ad.around_init_load_back(lambda self, params: (0, "node"), cache, None)
+        thresholds.append(cache.load_back_threshold)
+    assert [th < 1 << 30 for th in thresholds] == [False, False, False, True] * 2, thresholds
+    assert b.t.counts["l2_explored"] == 2
+
+
 def test_every_patch_target_resolves_against_installed_sglang() -> None:
     from kllm_plugins.attach import resolve_impl, resolve_target
     from kllm_plugins.plugins.kv_tiers.hookimpls import kllm_declare
@@ -490,6 +508,47 @@ def test_slow_store_is_measured_and_then_recomputed(backend_factory, monkeypatch
 
     assert REGISTRY.get_sample_value("kllm_kv_tiers_l3_faults_total",
                                      {"reason": "l3_slower_than_recompute"}) >= 1
+
+
+def test_store_refused_as_slow_is_re_measured_and_used_again_when_fast(backend_factory, monkeypatch) -> None:
+    """A store measured slower than recomputing is not written off for the server's lifetime: every
+    `explore_every`-th refused prefetch starts anyway, its reads re-measure the store, and once the
+    store is fast again prefetches are admitted by the break-even length as before."""
+    import builtins
+
+    import time
+
+    from kllm_plugins.plugins.kv_tiers import sglang_adapter as ad
+    from kllm_plugins.plugins.kv_tiers.core import file_store
+
+    b = backend_factory(min_reuse=1, explore_every=3, prefill_tokens_per_s=20000.0)
+    keys, pages = _keys(4, "back"), _pages(4, 9)
+    assert b.batch_set(keys, pages)
+    cache = _Cache()
+    _store_first_page(b, cache, list(range(512)))
+
+    def read_all() -> None:
+        dst = [torch.empty(PAGE_ELEMS, dtype=torch.bfloat16) for _ in keys]
+        assert all(g is not None for g in b.batch_get(keys, dst))
+
+    def slow_open(*args: Any, **kwargs: Any) -> Any:  # a disk answering in 50 ms a page
+        time.sleep(0.05)
+        return builtins.open(*args, **kwargs)
+
+    monkeypatch.setattr(file_store, "open", slow_open, raising=False)
+    for _ in range(4):
+        read_all()
+    assert b.t.fetch.min_fetch_tokens("l3") == float("inf")
+    started = [ad.around_prefetch_from_storage(_Cache.prefetch, cache, f"r{i}", None, list(range(512)))
+               for i in range(6)]
+    assert started == [None, None, True, None, None, True], started  # the 3rd and 6th refusals explore
+    assert cache.calls == 2 and b.t.counts["prefetch_explored"] == 2
+    monkeypatch.undo()  # the disk is fast again; the explored prefetches' reads see it
+    for _ in range(30):
+        read_all()
+    assert b.t.fetch.min_fetch_tokens("l3") < 512
+    assert ad.around_prefetch_from_storage(_Cache.prefetch, cache, "r9", None, list(range(512))) is True
+    assert cache.calls == 3 and b.t.counts["prefetch_explored"] == 2  # admitted on its merits
 
 
 def test_lookup_that_extends_a_cached_prefix_marks_continuations(backend_factory) -> None:

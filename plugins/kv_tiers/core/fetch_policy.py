@@ -113,12 +113,16 @@ class FetchOrRecompute:
         r = self.recompute_seconds(tokens)
         if f * self.margin < r:
             return FetchDecision(True, tier, tokens, f, r, "fetch_cheaper")
-        with self._lock:
-            self._refused[tier] += 1
-            explore = self.explore_every > 0 and self._refused[tier] % self.explore_every == 0
-        if explore:
+        if self.explore_refused(tier):
             return FetchDecision(True, tier, tokens, f, r, "explore")
         return FetchDecision(False, tier, tokens, f, r, "recompute_cheaper")
+
+    def explore_refused(self, tier: Tier) -> bool:
+        """Count one refused fetch from `tier`; True on every `explore_every`-th, which is fetched
+        anyway so that a tier measured slow is re-measured and can come back when it gets faster."""
+        with self._lock:
+            self._refused[tier] += 1
+            return self.explore_every > 0 and self._refused[tier] % self.explore_every == 0
 
     def min_fetch_tokens(self, tier: Tier) -> float:
         """Smallest hit (tokens) worth fetching from `tier`; `math.inf` when none is."""
