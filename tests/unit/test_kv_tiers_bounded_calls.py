@@ -163,13 +163,17 @@ def test_a_try_waits_only_its_own_wait_one_at_a_time_and_judges_nothing(caplog) 
     assert not b.slow and _slow_count(caplog) == 0
     assert b.stats["late"] == 0 and b.stats["pending"] == 2 and b.stats["episodes"] == 0
     release.set()
-    deadline = time.monotonic() + 30
-    while True:  # once the stuck try's thread returns, the next try runs
+    assert _try_until_answered(b, "pending") == 1  # once the stuck try's thread returns, the next try runs
+
+
+def _try_until_answered(b: BoundedCalls, refusal: str, within_s: float = 30.0) -> int:
+    """Retry a probe until it is answered; every refusal before that must be `refusal`."""
+    deadline = time.monotonic() + within_s
+    while True:
         try:
-            assert b.try_call("probe", lambda: 9, 5.0) == 9
-            break
+            return b.try_call("probe", lambda: 1, 5.0)
         except StoreSlow as exc:
-            assert exc.reason == "pending" and time.monotonic() < deadline
+            assert exc.reason == refusal and time.monotonic() < deadline
             time.sleep(0.05)
 
 
@@ -184,12 +188,5 @@ def test_a_try_during_a_slow_episode_is_refused_and_one_answered_in_time_ends_it
             b.try_call("probe", lambda: ran.append(1), 5.0)
         assert refused.value.reason == "slow" and not ran and b.stats["refused"] == 1
         release.set()
-        deadline = time.monotonic() + 30
-        while True:  # the late call returns; then a try answered in time ends the episode
-            try:
-                assert b.try_call("probe", lambda: 1, 5.0) == 1
-                break
-            except StoreSlow as exc:
-                assert exc.reason == "slow" and time.monotonic() < deadline
-                time.sleep(0.05)
+        assert _try_until_answered(b, "slow") == 1  # the late call returns; then a try answered in time ends the episode
     assert not b.slow and "mooncake store back" in caplog.text
