@@ -33,7 +33,7 @@ from kllm_plugins.plugins.kv_tiers.core.fetch_policy import FetchOrRecompute
 from kllm_plugins.plugins.kv_tiers.core.file_store import FilePageStore, StoreStats
 from kllm_plugins.plugins.kv_tiers.core.held_pages import HeldPages
 from kllm_plugins.plugins.kv_tiers.core.persistence import BusyMeter, PersistencePolicy
-from kllm_plugins.plugins.kv_tiers.core.prefetch_gate import GateDecision, PrefetchGate
+from kllm_plugins.plugins.kv_tiers.core.prefetch_gate import PrefetchGate
 from kllm_plugins.plugins.kv_tiers.core.tier_events import TierEventLog
 
 logger = logging.getLogger("kllm.kv_tiers")
@@ -523,10 +523,9 @@ def around_prefetch_from_storage(original: Callable[..., Any], self: Any, reques
     if not already:
         if adaptive:
             ops, tokens = _inflight(self)
-            d = t.gate.decide(len(new_input_tokens), min_tokens, ops, tokens)
-            if d.reason == "recompute_cheaper" and t.fetch.explore_refused("l3"):
-                # every explore_every-th refusal fetches anyway: a store that got faster is re-measured
-                d = GateDecision(True, "explore")
+            d = t.gate.decide(len(new_input_tokens), min_tokens, ops, tokens,
+                              explore=lambda: t.fetch.explore_refused("l3"))
+            if d.reason == "explore":  # admitted below the break-even length: let HiCache start it
                 self.prefetch_threshold = page
                 t.count("prefetch_explored")
             t._m_prefetch.labels(d.reason).inc()

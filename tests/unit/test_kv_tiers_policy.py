@@ -204,6 +204,23 @@ def test_prefetch_gate_bounds_work_in_flight() -> None:
         PrefetchGate(0, 10)
 
 
+def test_gate_explores_only_prefetches_refused_as_not_worth_it() -> None:
+    g = PrefetchGate(max_inflight_ops=1, max_inflight_tokens=1000)
+    asked: list[int] = []
+
+    def explore() -> bool:
+        asked.append(1)
+        return len(asked) % 2 == 0
+
+    d = g.decide(50, 100, 0, 0, explore)  # 1st refusal (below the break-even): not explored
+    assert not d.admit and d.reason == "recompute_cheaper" and len(asked) == 1
+    d = g.decide(50, float("inf"), 0, 0, explore)  # 2nd refusal ("never"): explored
+    assert d.admit and d.reason == "explore" and len(asked) == 2
+    assert g.decide(0, 100, 0, 0, explore).reason == "empty" and len(asked) == 2  # nothing to fetch: not asked
+    assert g.decide(500, 100, 1, 0, explore).reason == "ops_budget"  # a budget refusal is not explored
+    assert g.decide(500, 100, 0, 0, explore).reason == "admitted" and len(asked) == 2
+
+
 def test_remote_sightings_count_once_for_pages_unseen_here() -> None:
     p = PersistencePolicy(min_reuse=2)
     p.admit(["mine"], 0.0, 0.0)

@@ -93,8 +93,6 @@ class FeatureCache:
         for k, v in shared.items():
             setattr(self, k, v)
         self.num_seqs = len(self.lens_host)
-        if not hasattr(self, "final"):  # a cache shared by an older writer
-            self.final = None
         return self
 
     def batch(self, index: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 
 @dataclass(frozen=True)
@@ -28,10 +29,14 @@ class PrefetchGate:
         self.max_inflight_tokens = max_inflight_tokens
 
     def decide(self, candidate_tokens: int, min_fetch_tokens: float, inflight_ops: int,
-               inflight_tokens: int) -> GateDecision:
+               inflight_tokens: int, explore: Callable[[], bool] | None = None) -> GateDecision:
+        """`explore` is asked only for a prefetch refused as not worth it (e.g.
+        `FetchOrRecompute.explore_refused`); True admits it anyway, to re-measure the store."""
         if candidate_tokens <= 0:
             return GateDecision(False, "empty")
         if math.isinf(min_fetch_tokens) or candidate_tokens < min_fetch_tokens:
+            if explore is not None and explore():
+                return GateDecision(True, "explore")
             return GateDecision(False, "recompute_cheaper")
         if inflight_ops >= self.max_inflight_ops:
             return GateDecision(False, "ops_budget")
