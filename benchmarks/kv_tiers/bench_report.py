@@ -1,0 +1,142 @@
+"""Report and record for bench_tiers.py (not collected by pytest): the side-by-side table, the
+benchmarks/RESULTS.md row, the results json and the TTFT-vs-throughput plot."""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+
+def ideal_hit_rate(trace: list[dict[str, Any]], block: int = 16) -> float:
+    """Hit rate of an unbounded shared cache: each request's longest block prefix seen before."""
+    seen: set[tuple[int, ...]] = set()
+    hit = total = 0
+    for r in trace:
+        h = r["hash_ids"]
+        best = next((k for k in range(len(h), 0, -1) if tuple(h[:k]) in seen), 0)
+        hit += best * block
+        total += len(h) * block
+        seen.update(tuple(h[:k]) for k in range(1, len(h) + 1))
+    return hit / total
+
+
+def report(runs: list[dict[str, Any]], traces: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> None:
+    print(f"two servers per setup, L1 {args.l1_tokens} tokens per server, L2 2x L1, shared L3 folder; "
+          f"{args.repeats} repeats interleaved; hit rate and TTFT at 1 request in flight per server; open-loop "
+          f"rates {args.rate_list} req/s; throughput at SLO: TTFT P{int(args.slo_pct * 100)} <= {args.slo_s} s "
+          f"(medians of repeats, [min, max])")
+    for tname, trace in traces.items():
+        rows = [r for r in runs if r["trace"] == tname]
+        if not rows:
+            continue
+        base = next((r for r in rows if r["setup"] == "l1_only"), rows[0])
+        stock = next((r for r in rows if r["setup"] == "hicache"), None)
+        print(f"\ntrace: {tname}, {len(trace)} requests, ideal hit rate {ideal_hit_rate(trace):.3f}")
+        print(f"{'setup':9} {'hit l1':>6} {'l2':>6} {'l3':>6} {'total':>6} {'ttft mean [min,max]':>22} {'p50':>6} "
+              f"{'p99':>6} {'@slo [min,max]':>20} {'@slo/l1':>7} {'mean/stock':>10}")
+        for r in rows:
+            h, t, sp = r["hit_rate"], r["ttft_s"], r["spread"]
+            b = base["throughput_at_slo_req_s"]
+            ratio = r["throughput_at_slo_req_s"] / b if b else float("nan")
+            vs = t["mean"] / stock["ttft_s"]["mean"] if stock else float("nan")
+            tm, ts = sp["ttft_mean_s"], sp["throughput_at_slo_req_s"]
+            print(f"{r['setup']:9} {h['l1']:6.3f} {h['l2']:6.3f} {h['l3']:6.3f} {h['total']:6.3f} "
+                  f"{t['mean']:6.3f} [{tm['min']:.3f},{tm['max']:.3f}] {t['p50']:6.3f} {t['p99']:6.3f} "
+                  f"{r['throughput_at_slo_req_s']:6.2f} [{ts['min']:.2f},{ts['max']:.2f}] {ratio:7.3f} {vs:10.3f}")
+        for r in rows:
+            for o in r["open_loop"]:
+                bo = next((x for x in base["open_loop"] if x["rate_req_s"] == o["rate_req_s"]), None)
+                rel = (f" (x{o['ttft_p50_s']['median'] / bo['ttft_p50_s']['median']:.2f} p50, "
+                       f"x{o['throughput_req_s']['median'] / bo['throughput_req_s']['median']:.3f} req/s vs l1_only)"
+                       if bo and r is not base else "")
+                print(f"  {r['setup']:9} rate {o['rate_req_s']}: {o['throughput_req_s']['median']:.2f} "
+                      f"[{o['throughput_req_s']['min']:.2f},{o['throughput_req_s']['max']:.2f}] req/s, TTFT p50 "
+                      f"{o['ttft_p50_s']['median']:.3f} [{o['ttft_p50_s']['min']:.3f},{o['ttft_p50_s']['max']:.3f}] "
+                      f"p90 {o['ttft_p90_s']['median']:.3f} [{o['ttft_p90_s']['min']:.3f},{o['ttft_p90_s']['max']:.3f}]"
+                      + rel)
+
+
+def _row(r: dict[str, Any]) -> str:
+    sp = r["spread"]
+    ol = "; ".join(f"@{o['rate_req_s']}/s {o['throughput_req_s']['median']:.2f} req/s TTFT p50 "
+                   f"{o['ttft_p50_s']['median']:.3f} [{o['ttft_p50_s']['min']:.3f}-{o['ttft_p50_s']['max']:.3f}] p90 "
+                   f"{o['ttft_p90_s']['median']:.3f} [{o['ttft_p90_s']['min']:.3f}-{o['ttft_p90_s']['max']:.3f}]"
+                   for o in r["open_loop"])
+    return (f"{r['setup']}: hit {r['hit_rate']['total']:.3f} (l1 {r['hit_rate']['l1']:.3f}/l2 {r['hit_rate']['l2']:.3f}"
+            f"/l3 {r['hit_rate']['l3']:.3f}), TTFT mean {r['ttft_s']['mean']:.3f} "
+            f"[{sp['ttft_mean_s']['min']:.3f}-{sp['ttft_mean_s']['max']:.3f}] p50 {r['ttft_s']['p50']:.3f} "
+            f"[{sp['ttft_p50_s']['min']:.3f}-{sp['ttft_p50_s']['max']:.3f}] p99 {r['ttft_s']['p99']:.3f} s, "
+            f"{r['throughput_at_slo_req_s']:.2f} [{sp['throughput_at_slo_req_s']['min']:.2f}-"
+            f"{sp['throughput_at_slo_req_s']['max']:.2f}] req/s at SLO ({ol})")
+
+
+def record(runs: list[dict[str, Any]], traces: dict[str, list[dict[str, Any]]], args: argparse.Namespace,
+           command: str, pressure: dict[str, Any] | None) -> None:
+    root = Path(args.results_root)
+    out = root / "benchmarks" / "results" / f"{args.results_name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for r in runs:
+        r["command"] = command
+    doc = {"command": command,
+           "method": {"servers_per_setup": 2, "l1_tokens_per_server": args.l1_tokens, "l2": "2x L1 per server",
+                      "l3": "folder shared by the setup's two servers", "repeats": args.repeats,
+                      "order": "repeat 1: A B C, repeat 2: C B A, ... (consecutive turns of a setup share a start)",
+                      "server_threads": args.server_threads or "inherited (torch default: one per core)",
+                      "open_loop_rates_req_s": args.rate_list, "slo": f"TTFT P{int(args.slo_pct * 100)} <= {args.slo_s} s",
+                      "throughput_at_slo": "highest open-loop rate step's completed/makespan whose TTFT percentile "
+                                           "meets the SLO; same seeded Poisson schedule for every setup",
+                      "ttft_and_hit_rate": "one request in flight per server, median over repeats",
+                      "ideal_hit_rate": {t: ideal_hit_rate(tr) for t, tr in traces.items()}},
+           "runs": runs}
+    if pressure:
+        doc["pressure"] = pressure
+    if args.medium is not None:
+        doc["medium"] = args.medium
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    cells = [f"[{t}] " + "; ".join(_row(r) for r in runs if r["trace"] == t) for t in traces]
+    if pressure:
+        cells.append("[pressure] " + pressure["summary"])
+    with (root / "benchmarks" / "RESULTS.md").open("a") as f:
+        f.write(f"\n## kv_tiers (issue 7), CPU (2 cores, quiet), tiny Llama, two servers per setup, interleaved "
+                f"repeats, open-loop load{medium_note(args)}, {time.strftime('%Y-%m-%d %H:%M')}\n"
+                f"`{command}` — L1 {args.l1_tokens} tokens per server, L2 2x L1, shared L3 folder; "
+                f"{threads_note(args)}; {args.repeats} "
+                f"repeats (A B C / C B A ...), medians [min-max]; hit rate and TTFT at 1 request in flight per "
+                f"server; open-loop Poisson rates {args.rate_list} req/s (same schedule for every setup), "
+                f"throughput at SLO = highest rate step's completed/makespan with TTFT P{int(args.slo_pct * 100)} "
+                f"<= {args.slo_s} s: " + " ".join(cells) + "\n")
+
+
+def threads_note(args: argparse.Namespace) -> str:
+    n = args.server_threads
+    return f"{n} OpenMP thread(s) per server" if n > 0 else "OpenMP threads per server: torch's default"
+
+
+def medium_note(args: argparse.Namespace) -> str:
+    m = args.medium
+    return "" if m is None else (f", L3 (both setups) on an emulated slow medium: {m['latency_ms']:g} ms + "
+                                 f"{m['mb_s']:g} MB/s per page read / existence check")
+
+
+def plot(runs: list[dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    traces = list(dict.fromkeys(r["trace"] for r in runs))
+    fig, axes = plt.subplots(1, len(traces), figsize=(5 * len(traces), 3.5), squeeze=False)
+    for ax, tname in zip(axes[0], traces):
+        rows = [r for r in runs if r["trace"] == tname]
+        for r in rows:
+            pts = [(o["throughput_req_s"]["median"], o["ttft_p90_s"]["median"]) for o in r["open_loop"]]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=r["setup"])
+        ax.axhline(rows[0]["slo"]["ttft_s"], color="grey", ls="--")
+        ax.set_title(tname, fontsize=8)
+        ax.set_xlabel("req/s")
+        ax.set_ylabel("TTFT P90 (s)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
