@@ -49,7 +49,8 @@ def cell_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
                      "hit": c["hit_rate"], "ttft": c["ttft_s"], "medium": d,
                      "kv_tiers": [{k: s.get(k) for k in ("l3_bandwidth_bytes_per_s", "l3_latency_s", "l3_min_fetch_tokens",
                                                          "l3_prefetch_overhead_s", "prefill_tokens_per_s", "prefetch_admitted",
-                                                         "prefetch_refused", "l3_slower_than_recompute_logs", "store_hits")}
+                                                         "prefetch_refused", "prefetch_explored", "l2_explored",
+                                                         "prefetch_wait", "l3_slower_than_recompute_logs", "store_hits")}
                                   for s in kv]})
     return rows
 
@@ -68,7 +69,9 @@ def main() -> None:
             print(f"    kv_tiers server {i}: L3 {bw / 1e6 if bw else float('nan'):.2f} MB/s + "
                   f"{(s.get('l3_latency_s') or 0) * 1e3:.1f} ms, overhead {s.get('l3_prefetch_overhead_s') or 0:.3f} s, "
                   f"break-even {s.get('l3_min_fetch_tokens')} tokens, prefill {s.get('prefill_tokens_per_s') or 0:.0f} tok/s, "
-                  f"prefetch admitted {s.get('prefetch_admitted')} refused {s.get('prefetch_refused')}, "
+                  f"prefetch admitted {s.get('prefetch_admitted')} refused {s.get('prefetch_refused')} "
+                  f"explored {s.get('prefetch_explored') or 0} (L2 {s.get('l2_explored') or 0}), waits "
+                  f"{(s.get('prefetch_wait') or {}).get('calls', 0)} = {(s.get('prefetch_wait') or {}).get('seconds', 0.0):.2f} s, "
                   f"slower-than-recompute warnings {s.get('l3_slower_than_recompute_logs')}, store hits {s.get('store_hits')}")
 
 
