@@ -41,15 +41,24 @@ def _scatter_positions(buf: torch.Tensor, positions: torch.Tensor, values: torch
     buf[rows, :, positions] = values.transpose(1, 2)
 
 
-class BlockDraftRunner:
-    def __init__(self, drafter: BlockDrafter, shared: SharedTarget, batch: int, max_len: int) -> None:
-        self.d, self.shared = drafter, shared
+class _CachedRunner:
+    """A drafter with its own KV cache per layer ([batch, kv heads, max_len, head dim]) and row lengths."""
+
+    def __init__(self, drafter: BlockDrafter | EagleDrafter, shared: SharedTarget, batch: int,
+                 max_len: int) -> None:
+        self.shared = shared
         cfg = drafter.cfg
         p = next(drafter.parameters())
         shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
         self.ck = [torch.zeros(shape, device=p.device, dtype=p.dtype) for _ in drafter.layers]
         self.cv = [torch.zeros(shape, device=p.device, dtype=p.dtype) for _ in drafter.layers]
         self.lens = torch.zeros(batch, dtype=torch.long, device=p.device)
+
+
+class BlockDraftRunner(_CachedRunner):
+    def __init__(self, drafter: BlockDrafter, shared: SharedTarget, batch: int, max_len: int) -> None:
+        super().__init__(drafter, shared, batch, max_len)
+        self.d = drafter
 
     @torch.no_grad()
     def observe(self, feats: torch.Tensor, start: torch.Tensor, n_keep: torch.Tensor, tokens: torch.Tensor,
@@ -90,15 +99,10 @@ class BlockDraftRunner:
         return DraftOut(torch.stack(toks, dim=1), probs, conf)
 
 
-class EagleDraftRunner:
+class EagleDraftRunner(_CachedRunner):
     def __init__(self, drafter: EagleDrafter, shared: SharedTarget, batch: int, max_len: int) -> None:
-        self.d, self.shared = drafter, shared
-        cfg = drafter.cfg
-        p = next(drafter.parameters())
-        shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
-        self.ck = [torch.zeros(shape, device=p.device, dtype=p.dtype) for _ in drafter.layers]
-        self.cv = [torch.zeros(shape, device=p.device, dtype=p.dtype) for _ in drafter.layers]
-        self.lens = torch.zeros(batch, dtype=torch.long, device=p.device)
+        super().__init__(drafter, shared, batch, max_len)
+        self.d = drafter
         self.last_hidden: torch.Tensor | None = None
 
     def _run(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
