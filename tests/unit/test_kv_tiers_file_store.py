@@ -59,6 +59,7 @@ def test_page_larger_than_capacity_is_refused(tmp_path) -> None:
         (lambda raw: raw[: HEADER_SIZE + 5], "truncated"),
         (lambda raw: raw[:-1] + bytes([raw[-1] ^ 0xFF]), "corrupt"),
         (lambda raw: raw[:20] + bytes([raw[20] ^ 1]) + raw[21:], "corrupt"),  # header byte
+        (lambda raw: raw[:61] + bytes([raw[61] ^ 0x5A]) + raw[62:], "corrupt"),  # header padding (no CRC)
         (lambda raw: raw[:10], "truncated"),
         (lambda raw: raw + b"zz", "corrupt"),
         (lambda raw: b"", "truncated"),

@@ -93,6 +93,8 @@ def decode_header(raw: bytes | memoryview) -> PageHeader:
     (crc,) = _TAIL.unpack(bytes(raw[_STRUCT.size : HEADER_SIZE]))
     if zlib.crc32(head) != crc:
         raise PageError(PageFault.CORRUPT, "header checksum")
+    if any(raw[_STRUCT.size + 4 : HEADER_SIZE]):  # the padding is written as zeros and checked by no CRC
+        raise PageError(PageFault.CORRUPT, "header padding")
     magic, version, _flags, ns, kd, length, pcrc = _STRUCT.unpack(head)
     if magic != MAGIC or version != VERSION:
         raise PageError(PageFault.FOREIGN, f"magic/version {magic!r}/{version}")
