@@ -80,6 +80,7 @@ from trace_gen import generate  # noqa: E402
 from bench_report import plot, record, report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
+SERVER_ARGS = ("--page-size", "16", "--chunked-prefill-size", "512")
 SPACE = 1 << 24  # block ids per token space (one space per measurement cell)
 
 
@@ -111,6 +112,16 @@ def server_thread_env(threads: int) -> dict[str, str]:
     threads, so 4 spin-waiting threads share 2 cores: the same serial cell then took ~10x the CPU
     seconds and ~10x the TTFT, and identical cells in one server lifetime differed by 25%."""
     return {} if threads <= 0 else {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+
+
+def setup_servers(name: str, store: str, args: argparse.Namespace, mdir: str, l1_tokens: int,
+                  threads: int) -> tuple[list[SGLangServer], list[str]]:
+    """A setup's two servers (not started) sharing one L3 `store`, and their plugins."""
+    extra, plugins, env = setup_args(name, store, args, mdir)
+    servers = [SGLangServer(tiny_llama_path(), plugins=plugins, extra_args=[*SERVER_ARGS, *extra],
+                            env={**env, **server_thread_env(threads), "KLLM_KV_TIERS_INSTANCE_ID": f"{name}-{i}"},
+                            max_total_tokens=l1_tokens, startup_timeout_s=400) for i in range(2)]
+    return servers, plugins
 
 
 def summarize(name: str, tname: str, cells: dict[tuple[Any, int], dict[str, Any]], args: argparse.Namespace,
@@ -236,7 +247,6 @@ def save_partial(args: argparse.Namespace, cells: dict[tuple[str, str], dict[tup
 def run(args: argparse.Namespace, traces: dict[str, list[dict[str, Any]]], t_start: float
         ) -> list[dict[str, Any]]:
     setups = args.setups.split(",")
-    common = ["--page-size", "16", "--chunked-prefill-size", "512"]
     cells: dict[tuple[str, str], dict[tuple[Any, int], dict[str, Any]]] = {}
     stats: dict[str, list[dict[str, Any]]] = {}
     tnames = list(traces)
@@ -257,11 +267,7 @@ def run(args: argparse.Namespace, traces: dict[str, list[dict[str, Any]]], t_sta
         t_life = time.perf_counter()
         store = tempfile.mkdtemp(prefix=f"kvt-bench-{name}-")
         mdir = tempfile.mkdtemp(prefix=f"kvt-medium-{name}-") if args.medium is not None else ""
-        extra, plugins, env = setup_args(name, store, args, mdir)
-        servers = [SGLangServer(tiny_llama_path(), plugins=plugins, extra_args=common + extra,
-                                env={**env, **server_thread_env(args.server_threads),
-                                     "KLLM_KV_TIERS_INSTANCE_ID": f"{name}-{i}"},
-                                max_total_tokens=args.l1_tokens, startup_timeout_s=400) for i in range(2)]
+        servers, plugins = setup_servers(name, store, args, mdir, args.l1_tokens, args.server_threads)
         urls = [s.base_url for s in servers]
         prev_medium: list[dict[str, Any]] | None = None
         try:

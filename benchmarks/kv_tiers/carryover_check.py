@@ -24,12 +24,11 @@ from typing import Any
 
 import psutil
 
-from kllm_plugins.models.tiny_llama import tiny_llama_path
 from kllm_plugins.testing.kv_tiers import flush, kv_tiers_stats
 from kllm_plugins.testing.sglang_server import SGLangServer, start_all
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_tiers import SPACE, build_traces, server_thread_env, setup_args  # noqa: E402
+from bench_tiers import SPACE, build_traces, setup_servers  # noqa: E402
 from replay import arrivals, assign, measure, replay_open, replay_serial  # noqa: E402
 
 
@@ -81,11 +80,7 @@ def main() -> None:
     by_kind = {name.split()[0]: name for name in traces}
     store = tempfile.mkdtemp(prefix="kvt-carry-store-")
     mdir = tempfile.mkdtemp(prefix="kvt-carry-medium-")
-    extra, plugins, env = setup_args(a.setup, store, ns, mdir)
-    servers = [SGLangServer(tiny_llama_path(), plugins=plugins,
-                            extra_args=["--page-size", "16", "--chunked-prefill-size", "512", *extra],
-                            env={**env, **server_thread_env(a.server_threads), "KLLM_KV_TIERS_INSTANCE_ID": f"{a.setup}-{i}"},
-                            max_total_tokens=3072, startup_timeout_s=400) for i in range(2)]
+    servers, plugins = setup_servers(a.setup, store, ns, mdir, 3072, a.server_threads)
     urls = [s.base_url for s in servers]
     log: list[dict[str, Any]] = []
     try:

@@ -1,6 +1,6 @@
 """Per-request profile of the long-context serial cell (diagnosis, not a recorded benchmark).
 
-For each setup (`bench_tiers.setup_args`: l1_only, hicache = stock, kv_tiers, kv_tiers_fixed) two
+For each setup (`bench_tiers.setup_servers`: l1_only, hicache = stock, kv_tiers, kv_tiers_fixed) two
 servers are started as in bench_tiers.py, warmed up, and the synthetic long-context trace is replayed
 with one request in flight per server. Per request: TTFT, cached tokens per tier (SGLang's
 `cached_tokens_details`), and the CPU seconds the server's scheduler process spent over the
@@ -24,12 +24,11 @@ from typing import Any
 
 import psutil
 
-from kllm_plugins.models.tiny_llama import tiny_llama_path
 from kllm_plugins.testing.kv_tiers import flush, kv_tiers_stats
 from kllm_plugins.testing.sglang_server import SGLangServer, start_all
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_tiers import SPACE, setup_args  # noqa: E402
+from bench_tiers import SPACE, setup_servers  # noqa: E402
 from replay import _one, assign  # noqa: E402
 from trace_gen import generate  # noqa: E402
 
@@ -66,11 +65,7 @@ def cpu_split(pid: int, before: dict[int, float], after: dict[int, float]) -> tu
 
 def profile(setup: str, trace: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
     store = tempfile.mkdtemp(prefix=f"kvt-prof-{setup}-")
-    extra, plugins, env = setup_args(setup, store)
-    common = ["--page-size", "16", "--chunked-prefill-size", "512"]
-    servers = [SGLangServer(tiny_llama_path(), plugins=plugins, extra_args=common + extra,
-                            env={**env, "KLLM_KV_TIERS_INSTANCE_ID": f"{setup}-{i}"},
-                            max_total_tokens=args.l1_tokens, startup_timeout_s=400) for i in range(2)]
+    servers, plugins = setup_servers(setup, store, None, "", args.l1_tokens, 0)  # 0: torch's default threads, as profiled
     if not args.sleep_on_idle:
         for s in servers:
             s.args.remove("--sleep-on-idle")

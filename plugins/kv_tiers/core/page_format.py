@@ -90,10 +90,11 @@ def decode_header(raw: bytes | memoryview) -> PageHeader:
     if len(raw) < HEADER_SIZE:
         raise PageError(PageFault.TRUNCATED, f"header has {len(raw)} of {HEADER_SIZE} bytes")
     head = bytes(raw[: _STRUCT.size])
-    (crc,) = _TAIL.unpack(bytes(raw[_STRUCT.size : HEADER_SIZE]))
+    tail = bytes(raw[_STRUCT.size : HEADER_SIZE])
+    (crc,) = _TAIL.unpack(tail)
     if zlib.crc32(head) != crc:
         raise PageError(PageFault.CORRUPT, "header checksum")
-    if any(raw[_STRUCT.size + 4 : HEADER_SIZE]):  # the padding is written as zeros and checked by no CRC
+    if tail != _TAIL.pack(crc):  # the padding is written as zeros and checked by no CRC
         raise PageError(PageFault.CORRUPT, "header padding")
     magic, version, _flags, ns, kd, length, pcrc = _STRUCT.unpack(head)
     if magic != MAGIC or version != VERSION:
