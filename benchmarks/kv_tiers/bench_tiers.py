@@ -252,7 +252,7 @@ def run(args: argparse.Namespace, traces: dict[str, list[dict[str, Any]]], t_sta
     tnames = list(traces)
     # kv_tiers restarts for every repeat, so each repeat meets the no-reuse control right after a start
     # (its write-all rule keeps a window of recent lookups); the other setups keep no such state
-    plan = lifetimes(setups, args.repeats, keep_apart=("kv_tiers",))
+    plan = lifetimes(setups, args.repeats, keep_apart=tuple(setups) if args.restart_each_repeat else ("kv_tiers",))
     total = sum(len(reps) for _, reps in plan)
     done = 0
     steps: list[Any] = ["serial", *args.rate_list]
@@ -296,6 +296,8 @@ def run(args: argparse.Namespace, traces: dict[str, list[dict[str, Any]]], t_sta
                             sched = arrivals(len(trace), float(step), args.seed + rep)
                             res, makespan = replay_open(urls, trace, picks, sched, space * SPACE)
                         m = measure(res, makespan, args.slo_pct)
+                        if step == "serial":  # per request (TTFT, tokens per tier, server): in --partial only
+                            m["per_request"] = res
                         if plugins:  # this plugin's L3 path so far (cumulative per server; deltas per cell)
                             time.sleep(0.6)  # stats snapshots are written every 0.5 s
                             m["kv_tiers_after"] = kept_stats(servers)
@@ -373,6 +375,10 @@ def main() -> None:
     ap.add_argument("--server-threads", type=int, default=1,
                     help="OpenMP / torch threads per server (0: inherit torch's default, one per core: two "
                          "servers then oversubscribe the cores, see server_thread_env)")
+    ap.add_argument("--restart-each-repeat", action="store_true",
+                    help="every setup starts fresh servers for each repeat (by default only kv_tiers does, the "
+                         "others share a start between consecutive repeats): each repeat of every setup then "
+                         "begins right after a start, and lifetime-to-lifetime spread shows in every setup")
     ap.add_argument("--no-record", action="store_true", help="do not write results files")
     ap.add_argument("--results-root", default=str(ROOT), help="write results under this folder (smoke runs)")
     args = ap.parse_args()

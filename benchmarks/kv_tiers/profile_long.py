@@ -1,4 +1,5 @@
-"""Per-request profile of the long-context serial cell (diagnosis, not a recorded benchmark).
+"""Per-request profile of a serial cell (diagnosis, not a recorded benchmark): the long-context trace
+or, with `--trace short`, bench_tiers' default synthetic shape.
 
 For each setup (`bench_tiers.setup_servers`: l1_only, hicache = stock, kv_tiers, kv_tiers_fixed) two
 servers are started as in bench_tiers.py, warmed up, and the synthetic long-context trace is replayed
@@ -65,7 +66,7 @@ def cpu_split(pid: int, before: dict[int, float], after: dict[int, float]) -> tu
 
 def profile(setup: str, trace: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
     store = tempfile.mkdtemp(prefix=f"kvt-prof-{setup}-")
-    servers, plugins = setup_servers(setup, store, None, "", args.l1_tokens, 0)  # 0: torch's default threads, as profiled
+    servers, plugins = setup_servers(setup, store, None, "", args.l1_tokens, args.server_threads)
     if not args.sleep_on_idle:
         for s in servers:
             s.args.remove("--sleep-on-idle")
@@ -136,8 +137,16 @@ def main() -> None:
     ap.add_argument("--sleep-on-idle", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--py-spy", default="", help="sample the schedulers with py-spy into <prefix>-<setup>-<k>.txt")
     ap.add_argument("--out", default="/tmp/kvt3/profile.json")
+    ap.add_argument("--trace", choices=("long", "short"), default="long",
+                    help="long: the long-context synthetic trace; short: bench_tiers' default synthetic shape")
+    ap.add_argument("--server-threads", type=int, default=0,
+                    help="OpenMP threads per server (0: torch's default, as the 16:22 profile ran)")
     args = ap.parse_args()
-    trace = list(generate(args.sessions, 3, groups=args.sessions, system_blocks=64, user_blocks=12, answer_blocks=4))
+    if args.trace == "long":
+        trace = list(generate(args.sessions, 3, groups=args.sessions, system_blocks=64, user_blocks=12,
+                              answer_blocks=4))
+    else:
+        trace = list(generate(args.sessions, 3))
     out = []
     for setup in args.setups.split(","):
         p = profile(setup, trace, args)

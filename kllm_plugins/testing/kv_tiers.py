@@ -107,7 +107,8 @@ def l3_args(backend: str, master: dict[str, Any] | None = None, **extra: Any) ->
                                             "--hicache-storage-backend-extra-config",
                                             json.dumps({**mooncake_extra(master), **extra})]
     if backend == "file":
-        return HICACHE_ARGS + LAYER_FIRST + ["--hicache-storage-backend", "file"]
+        cfg_args = ["--hicache-storage-backend-extra-config", json.dumps(extra)] if extra else []
+        return HICACHE_ARGS + LAYER_FIRST + ["--hicache-storage-backend", "file", *cfg_args]
     raise ValueError(f"unknown L3 backend {backend!r}")
 
 

@@ -543,32 +543,41 @@ def around_prefetch_from_storage(original: Callable[..., Any], self: Any, reques
 
 def _probe_misses(t: _Tiers, cache: Any, new_input_tokens: Any, args: tuple[Any, ...],
                   kwargs: dict[str, Any]) -> bool:
-    """Probe the first page a prefetch would look up; True = not in L3 (start no prefetch).
+    """Probe the pages a prefetch needs; True = L3 cannot serve it (start no prefetch).
 
     Under HiCache's default "timeout" stop policy a request whose prefetch finds nothing still
     waits for it, about the timeout (1 s + 0.25 s per 1K tokens; 1.15-1.56 s measured), so a
-    certain miss is not worth starting: the prefix is recomputed at once. A prefetch re-issued for
-    a known hit (`storage_hit_end`) is not probed again."""
+    certain miss is not worth starting: the prefix is recomputed at once. A hit shorter than
+    HiCache's `prefetch_threshold` (the break-even length under adaptive thresholds) is declined by
+    HiCache only after its storage lookup, which the request waits for (2-3 ms per request at
+    32-64 tokens, `benchmarks/kv_tiers/breakeven.py`): so the first page is probed and, when it
+    is there, the last page the threshold needs. A prefetch re-issued for a known hit
+    (`storage_hit_end`) is not probed again."""
     if t.probe is None or kwargs.get("storage_hit_end") is not None:
         return False
-    first = _first_page_key(cache, new_input_tokens, args, kwargs)
-    if first is None:
+    page = int(getattr(cache, "page_size", 1) or 1)
+    need = max(1, -(-int(getattr(cache, "prefetch_threshold", page) or page) // page))
+    probe_keys = _page_keys(cache, new_input_tokens, args, kwargs, pages=need)
+    if not probe_keys:
         return False
     t0 = time.perf_counter()
     try:
-        found = t.probe(first)
+        first = t.probe(probe_keys[0])
+        enough = first and (len(probe_keys) == 1 or t.probe(probe_keys[-1]))
     finally:
         t.spent("probe", time.perf_counter() - t0)
-    if found:
+    if enough:
         return False
-    t.count("prefetch_probe_miss")
-    t._m_prefetch.labels("l3_probe_miss").inc()
+    reason = "prefetch_probe_short" if first else "prefetch_probe_miss"
+    t.count(reason)
+    t._m_prefetch.labels("l3_probe_short" if first else "l3_probe_miss").inc()
     # the lookup HiCache would have made still tells selective persistence about reuse (a
-    # continuation): without it a store left empty while dormant would stay so
+    # continuation, or the short hit: at least its first page): without it a store left empty
+    # while dormant would stay so
     prefix = args[1] if len(args) >= 2 else kwargs.get("prefix_keys")
     keys = _page_keys(cache, new_input_tokens, args, kwargs)
     if keys:
-        t.note_lookup(keys, 0, bool(prefix))
+        t.note_lookup(keys, int(first), bool(prefix))
     return True
 
 

@@ -193,13 +193,15 @@ class _Cache:
         return True
 
 
-def _store_first_page(b: Any, cache: Any, tokens: list[int], last_hash: Any = None) -> None:
-    """Put the page a prefetch of `tokens` would look up first, so the hook's L3 probe finds it."""
+def _store_pages(b: Any, cache: Any, tokens: list[int], pages: int | None = None, last_hash: Any = None) -> None:
+    """Put the first `pages` (None: all) pages a prefetch of `tokens` would look up, so the hook's L3
+    probe finds them."""
     from kllm_plugins.plugins.kv_tiers import sglang_adapter as ad
 
-    key = ad._first_page_key(cache, tokens, (last_hash,), {})
-    assert key is not None
-    assert b.store.put(key, memoryview(_pages(1, 99)[0].view(torch.uint8).numpy()).cast("B"))
+    keys = ad._page_keys(cache, tokens, (last_hash,), {}, pages=pages)
+    assert keys is not None and len(keys) == (pages or len(tokens) // cache.page_size)
+    for key in keys:
+        assert b.store.put(key, memoryview(_pages(1, 99)[0].view(torch.uint8).numpy()).cast("B"))
 
 
 def test_prefetch_is_not_started_when_its_first_page_is_not_in_l3(backend_factory) -> None:
@@ -239,9 +241,15 @@ def test_probe_runs_without_adaptive_thresholds_for_prefetches_hicache_would_sta
     tokens = list(range(1000, 1512))
     assert ad.around_prefetch_from_storage(_Cache.prefetch, cache, "m", None, tokens) is None
     assert cache.calls == 1 and b.t.counts["prefetch_probe_miss"] == 1
-    _store_first_page(b, cache, tokens)
+    # the first page there but not the 16th (HiCache's 256 tokens): HiCache would decline the hit
+    # after its lookup, with the request waiting for it; the probe of the 16th page starts none
+    _store_pages(b, cache, tokens, 1)
+    assert ad.around_prefetch_from_storage(_Cache.prefetch, cache, "s", None, tokens) is None
+    assert cache.calls == 1 and b.t.counts["prefetch_probe_short"] == 1 and b.t.path_calls["probe"] == 2
+    _store_pages(b, cache, tokens, 16)
     assert ad.around_prefetch_from_storage(_Cache.prefetch, cache, "h", None, tokens) is True
-    assert cache.calls == 2 and b.t.path_calls["probe"] == 2 and cache.prefetch_threshold == 256
+    assert cache.calls == 2 and b.t.path_calls["probe"] == 3 and cache.prefetch_threshold == 256
+    assert b.t.counts["prefetch_probe_miss"] == 1 and b.t.counts["prefetch_probe_short"] == 1
 
 
 def test_probe_miss_of_a_continuation_still_shows_reuse(backend_factory) -> None:
@@ -273,7 +281,7 @@ def test_prefetch_hook_completes_the_prefix_keys_with_the_anchor_node(backend_fa
 
     b0 = backend_factory()
     cache = _Cache({"sys": ["k1", "k2"], "turn": ["k3"]})
-    _store_first_page(b0, cache, list(range(64)))
+    _store_pages(b0, cache, list(range(64)))
     ad.around_prefetch_from_storage(_Cache.prefetch, cache, "r1", "sys", list(range(64)), "k2", [])
     ad.around_prefetch_from_storage(_Cache.prefetch, cache, "r2", "turn", list(range(64)), "k3", ["k1", "k2"])
     ad.around_prefetch_from_storage(_Cache.prefetch, cache, "r3", "turn", list(range(64)), "k3", None)
@@ -362,7 +370,7 @@ def test_prefetch_delay_is_measured_from_the_first_blocked_admission(backend_fac
     b = backend_factory(prefill_tokens_per_s=2000.0)
     cache = _Cache()
     cache.prefetch_loaded_tokens_by_reqid = {}
-    _store_first_page(b, cache, list(range(512)))
+    _store_pages(b, cache, list(range(512)))
 
     def start(rid: str) -> None:
         def prefetch(self: Any, request: Any, *a: Any, **k: Any) -> bool:
@@ -398,7 +406,7 @@ def test_prefetch_hook_sets_break_even_threshold_and_bounds_inflight(backend_fac
 
     b = backend_factory(prefetch_max_inflight_ops=1, l3_read_gbps=5.0, prefill_tokens_per_s=1000.0)
     cache = _Cache()
-    _store_first_page(b, cache, list(range(512)))
+    _store_pages(b, cache, list(range(512)))
     assert ad.around_prefetch_from_storage(_Cache.prefetch, cache, "r1", None, list(range(512))) is True
     expected = b.t.fetch.min_fetch_tokens("l3")
     assert cache.prefetch_threshold == max(16, int(expected))
@@ -489,7 +497,7 @@ def test_slow_store_is_measured_and_then_recomputed(backend_factory, monkeypatch
     keys, pages = _keys(4, "slow"), _pages(4, 9)
     assert b.batch_set(keys, pages)
     cache = _Cache()
-    _store_first_page(b, cache, list(range(512)))
+    _store_pages(b, cache, list(range(512)))
     assert ad.around_prefetch_from_storage(_Cache.prefetch, cache, "r0", None, list(range(512))) is True
 
     def slow_open(*args: Any, **kwargs: Any) -> Any:  # a disk answering in 50 ms a page
@@ -525,7 +533,7 @@ def test_store_refused_as_slow_is_re_measured_and_used_again_when_fast(backend_f
     keys, pages = _keys(4, "back"), _pages(4, 9)
     assert b.batch_set(keys, pages)
     cache = _Cache()
-    _store_first_page(b, cache, list(range(512)))
+    _store_pages(b, cache, list(range(512)))
 
     def read_all() -> None:
         dst = [torch.empty(PAGE_ELEMS, dtype=torch.bfloat16) for _ in keys]

@@ -1,0 +1,175 @@
+"""Where does an L3 hit pay on this machine? One server at a time (CPU, tiny Llama, SGLang's `file`
+L3 or the plugin's file store on the local disk), the same requests against each setup:
+
+for each prefix length n and repeat: a fresh prefix P of n tokens is sent once with a fresh suffix
+(HiCache writes P through to L2 and L3), L1 and L2 are flushed, then P is sent again with another
+fresh suffix of `--suffix` tokens and that request's TTFT is measured. Which tier served P is read
+from SGLang's per-request breakdown.
+
+Setups:
+- `recompute`: stock HiCache with a prefetch threshold no prefix reaches: P is always recomputed;
+- `stock_load`: stock HiCache with a 16-token threshold: P is always loaded from L3;
+- `kv_tiers`: the plugin (adaptive thresholds): loads or recomputes as its fetch-or-recompute rule says;
+- `kv_tiers_load`: the plugin's store and hooks, adaptive thresholds off, 16-token threshold: always loads.
+
+Lifetimes are interleaved (A B C D, D C B A, ...). Prints the median TTFT per setup and n, and each
+setup against `recompute` as a ratio: below 1 the load paid. Diagnostic for the short-prompt TTFT
+gap (docs/kv_tiers.md); `--record` appends a row to benchmarks/RESULTS.md and writes
+benchmarks/results/<--results-name>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from kllm_plugins.models.tiny_llama import tiny_llama_path
+from kllm_plugins.testing.kv_tiers import flush, kv_tiers_stats, l3_args
+from kllm_plugins.testing.sglang_server import SGLangServer
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_tiers import SERVER_ARGS, server_thread_env  # noqa: E402
+from replay import stream_generate  # noqa: E402
+from trace_gen import tokens_for  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+NEVER = 1 << 20  # a prefetch threshold no prefix here reaches
+
+
+def setup_server(name: str, store: str, threads: int, l1_tokens: int) -> SGLangServer:
+    env = {**server_thread_env(threads)}
+    plugins: list[str] = []
+    if name == "recompute":
+        extra = l3_args("file", prefetch_threshold=NEVER)
+    elif name == "stock_load":
+        extra = l3_args("file", prefetch_threshold=16)
+    elif name in ("kv_tiers", "kv_tiers_load"):
+        plugins = ["kv_tiers"]
+        env |= {"KLLM_EXTRA_PLUGINS": "kllm_plugins.plugins.kv_tiers.hookimpls", "KLLM_KV_TIERS_STORE_DIR": store,
+                "KLLM_KV_TIERS_INSTANCE_ID": name}
+        if name == "kv_tiers_load":
+            env["KLLM_KV_TIERS_ADAPTIVE_THRESHOLDS"] = "false"
+            extra = l3_args("kllm_file", prefetch_threshold=16)
+        else:
+            extra = l3_args("kllm_file")
+    else:
+        raise SystemExit(f"unknown setup {name!r}")
+    if name in ("recompute", "stock_load"):
+        env["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = store
+    return SGLangServer(tiny_llama_path(), plugins=plugins, extra_args=[*SERVER_ARGS, *extra], env=env,
+                        max_total_tokens=l1_tokens, startup_timeout_s=400)
+
+
+def blocks(start: int, n_tokens: int) -> list[int]:
+    return list(range(start, start + n_tokens // 16))
+
+
+def one_lifetime(name: str, args: argparse.Namespace, space: int) -> list[dict[str, Any]]:
+    store = tempfile.mkdtemp(prefix=f"kvt-be-{name}-")
+    server = setup_server(name, store, args.server_threads, args.l1_tokens)
+    out: list[dict[str, Any]] = []
+    try:
+        server.start()
+        nxt = [space]
+
+        def fresh(n_tokens: int) -> list[int]:
+            b = blocks(nxt[0], n_tokens)
+            nxt[0] += len(b)
+            return b
+
+        for _ in range(args.warmup):  # first requests after a start are slower
+            stream_generate(server.base_url, tokens_for(fresh(256)), 1)
+        for rep in range(args.repeats):
+            for n in args.lengths:
+                p = fresh(n)
+                stream_generate(server.base_url, tokens_for(p + fresh(args.suffix)), 1)
+                time.sleep(args.settle_s)  # the write-through reaches L3
+                flush(server.base_url)
+                time.sleep(args.settle_s)
+                ttft, _, meta = stream_generate(server.base_url, tokens_for(p + fresh(args.suffix)), 1)
+                d = meta.get("cached_tokens_details") or {}
+                out.append({"setup": name, "n": n, "rep": rep, "ttft_s": ttft,
+                            "cached": int(meta.get("cached_tokens", 0)), "l3": int(d.get("storage", 0) or 0)})
+        if name.startswith("kv_tiers"):
+            time.sleep(0.6)
+            st = kv_tiers_stats(server)
+            fp = st.get("fetch_policy", {})
+            out.append({"setup": name, "stats": {k: fp.get(k) for k in (
+                "prefill_tokens_per_s", "l3_bandwidth_bytes_per_s", "l3_prefetch_overhead_s",
+                "l3_min_fetch_tokens", "prefill_samples")} | {"prefetch_wait": st.get("prefetch_wait")}})
+    finally:
+        server.stop()
+        shutil.rmtree(store, ignore_errors=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--setups", default="recompute,stock_load,kv_tiers,kv_tiers_load")
+    ap.add_argument("--lengths", default="32,64,128,192,256,384")
+    ap.add_argument("--suffix", type=int, default=64, help="fresh tokens after the prefix (multiple of 16)")
+    ap.add_argument("--repeats", type=int, default=5, help="requests per (setup, length, lifetime)")
+    ap.add_argument("--rounds", type=int, default=2, help="lifetimes per setup (interleaved)")
+    ap.add_argument("--warmup", type=int, default=6)
+    ap.add_argument("--settle-s", type=float, default=0.3)
+    ap.add_argument("--server-threads", type=int, default=1)
+    ap.add_argument("--l1-tokens", type=int, default=2048)
+    ap.add_argument("--record", action="store_true")
+    ap.add_argument("--results-name", default="kv_tiers_breakeven", help="benchmarks/results/<name>.json")
+    ap.add_argument("--out", default="", help="write the raw records here")
+    args = ap.parse_args()
+    args.lengths = [int(x) for x in args.lengths.split(",")]
+    setups = args.setups.split(",")
+    command = "python " + " ".join([str(Path(sys.argv[0]))] + sys.argv[1:])
+    recs: list[dict[str, Any]] = []
+    for rnd in range(args.rounds):
+        for k, name in enumerate(setups if rnd % 2 == 0 else setups[::-1]):
+            t0 = time.perf_counter()
+            recs += [r | {"round": rnd} for r in one_lifetime(name, args, (1 + rnd * 10 + k) * (1 << 20))]
+            print(f"== {name} round {rnd}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(recs, indent=1) + "\n")
+    table = summarize(recs, setups, args.lengths)
+    print(table)
+    if args.record:
+        res = ROOT / "benchmarks" / "results" / f"{args.results_name}.json"
+        res.write_text(json.dumps({"command": command, "records": recs}, indent=1) + "\n")
+        rows = [ln for ln in table.split("\n") if ln.startswith("|")]
+        with open(ROOT / "benchmarks" / "RESULTS.md", "a") as f:
+            f.write(f"\n## kv_tiers (issue 7): L3 hit vs recompute, one server, CPU, "
+                    f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC\n`{command}` (raw: "
+                    f"benchmarks/results/{res.name}); TTFT median ms (median L3 tokens), ratios against "
+                    f"`recompute`\n\n{rows[0]}\n{'| --- ' * rows[0].count(' | ')}| --- |\n" + "\n".join(rows[1:]) + "\n")
+
+
+def summarize(recs: list[dict[str, Any]], setups: list[str], lengths: list[int]) -> str:
+    rows = [r for r in recs if "n" in r]
+    med: dict[tuple[str, int], float] = {}
+    lines = ["| n | " + " | ".join(f"{s} TTFT ms (L3 tok)" for s in setups) + " | " +
+             " | ".join(f"{s}/recompute" for s in setups if s != "recompute") + " |"]
+    for n in lengths:
+        cells = []
+        for s in setups:
+            xs = [r for r in rows if r["setup"] == s and r["n"] == n]
+            if not xs:
+                cells.append("-")
+                continue
+            med[(s, n)] = statistics.median(r["ttft_s"] for r in xs)
+            cells.append(f"{1e3 * med[(s, n)]:.1f} ({statistics.median(r['l3'] for r in xs):.0f})")
+        ratios = [f"{med[(s, n)] / med[('recompute', n)]:.2f}x" if (s, n) in med and ("recompute", n) in med
+                  else "-" for s in setups if s != "recompute"]
+        lines.append(f"| {n} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
+    for r in recs:
+        if "stats" in r:
+            lines.append(f"{r['setup']} round {r['round']}: {json.dumps(r['stats'])}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
