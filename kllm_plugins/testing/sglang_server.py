@@ -23,10 +23,21 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 
+PORT_PLACEHOLDER = "{free_port}"
+"""In an extra argument, replaced by a free port at each start attempt (e.g. a KV-event endpoint)."""
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _fill_ports(template: str) -> str:
+    out = template
+    while PORT_PLACEHOLDER in out:
+        out = out.replace(PORT_PLACEHOLDER, str(free_port()), 1)
+    return out
 
 
 class ServerStartError(RuntimeError):
@@ -59,7 +70,17 @@ class SGLangServer:
         ]
         if plugins:
             self.args += ["--enable-plugin", ",".join(plugins)]
-        self.args += list(extra_args)
+        # a port picked free can be taken by another process before the server binds it (SGLang also
+        # picks ports of its own): a start that fails on "Address already in use" is retried with new
+        # ports, for the HTTP port and for every "{free_port}" in the extra arguments
+        self._templated: dict[str, str] = {}  # an argument as filled in -> its template
+        for a in extra_args:
+            if PORT_PLACEHOLDER in a:
+                filled = _fill_ports(a)
+                self._templated[filled] = a
+                a = filled
+            self.args.append(a)
+        self.port_retries = 2
         self.env = dict(os.environ)
         self.env.pop("SGLANG_USE_CPU_ENGINE", None)
         if cpu_platform:
@@ -81,6 +102,30 @@ class SGLangServer:
         self.stop()
 
     def start(self) -> None:
+        for attempt in range(self.port_retries + 1):
+            try:
+                self._start_once()
+                return
+            except ServerStartError:
+                if attempt == self.port_retries or not self.grep_log("Address already in use"):
+                    raise
+                self.stop()
+                self._repick_ports()
+
+    def _repick_ports(self) -> None:
+        old = str(self.port)
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        i = self.args.index("--port")
+        assert self.args[i + 1] == old
+        self.args[i + 1] = str(self.port)
+        for k, a in enumerate(self.args):
+            if a in self._templated:
+                template = self._templated.pop(a)
+                self.args[k] = _fill_ports(template)
+                self._templated[self.args[k]] = template
+
+    def _start_once(self) -> None:
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
             self.args, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
@@ -104,7 +149,12 @@ class SGLangServer:
     def stop(self) -> None:
         if self.proc is None:
             return
-        if self.proc.poll() is None:
+        if self.proc.poll() is not None:  # exited: children it left in its group go too
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        else:
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)
                 self.proc.wait(timeout=20)

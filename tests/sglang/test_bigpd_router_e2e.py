@@ -26,7 +26,7 @@ from kllm_plugins.plugins.bigpd_router.config import RouterConfig
 from kllm_plugins.plugins.bigpd_router.core.registry import Health, Role
 from kllm_plugins.plugins.bigpd_router.core.request_shape import parse
 from kllm_plugins.plugins.bigpd_router.service.router import Router
-from kllm_plugins.testing.sglang_server import SGLangServer, start_all
+from kllm_plugins.testing.sglang_server import PORT_PLACEHOLDER, SGLangServer, start_all
 
 pytestmark = [pytest.mark.sglang, pytest.mark.e2e]
 
@@ -52,10 +52,8 @@ async def post(s: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tupl
 @pytest.fixture
 def plain_pair(tiny_model_path: Path) -> Iterator[list[SGLangServer]]:
     """Two plain servers that publish their KV events over ZMQ (--kv-events-config)."""
-    from kllm_plugins.testing.sglang_server import free_port
-
     servers = [SGLangServer(tiny_model_path, max_total_tokens=4096, extra_args=[
-        "--kv-events-config", json.dumps({"publisher": "zmq", "endpoint": f"tcp://*:{free_port()}", "topic": ""})])
+        "--kv-events-config", json.dumps({"publisher": "zmq", "endpoint": f"tcp://*:{PORT_PLACEHOLDER}", "topic": ""})])
         for _ in range(2)]
     start_all(servers)
     try:
@@ -161,8 +159,6 @@ def pd_pair(tiny_model_path: Path) -> Iterator[list[SGLangServer]]:
     reason = mooncake_usable()
     if reason:
         pytest.skip(reason)
-    from kllm_plugins.testing.sglang_server import free_port
-
     env = {"MOONCAKE_PROTOCOL": "tcp", "MC_FORCE_TCP": "1",
            "KLLM_EXTRA_PLUGINS": "kllm_plugins.plugins.bigpd_router.hookimpls",
            # After a prefill -> decode /pd_role_switch, SGLang 0.5.23's idle invariant check on the
@@ -179,9 +175,9 @@ def pd_pair(tiny_model_path: Path) -> Iterator[list[SGLangServer]]:
     common = ["--disaggregation-transfer-backend", "mooncake", "--dtype", "float32", "--enable-pd-role-switch",
               "--disable-overlap-schedule", "--disaggregation-decode-retraction-backup", "cpu_tensor"]
     prefill = SGLangServer(tiny_model_path, plugins=["bigpd_router"], env=env, max_total_tokens=4096, extra_args=[
-        *common, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(free_port())])
+        *common, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", PORT_PLACEHOLDER])
     decode = SGLangServer(tiny_model_path, plugins=["bigpd_router"], env=env, max_total_tokens=4096, extra_args=[
-        *common, "--disaggregation-mode", "decode", "--disaggregation-bootstrap-port", str(free_port())])
+        *common, "--disaggregation-mode", "decode", "--disaggregation-bootstrap-port", PORT_PLACEHOLDER])
     start_all([prefill, decode])
     try:
         yield [prefill, decode]
