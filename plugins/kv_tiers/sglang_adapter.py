@@ -495,11 +495,6 @@ def _page_keys(cache: Any, new_input_tokens: Any, args: tuple[Any, ...], kwargs:
         return None
 
 
-def _first_page_key(cache: Any, new_input_tokens: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
-    keys = _page_keys(cache, new_input_tokens, args, kwargs, pages=1)
-    return keys[0] if keys else None
-
-
 def around_prefetch_from_storage(original: Callable[..., Any], self: Any, request: Any, last_host_node_id: Any,
                                  new_input_tokens: list[int], *args: Any, **kwargs: Any) -> Any:
     """Before HiCache starts an L3 prefetch for a queued request: with adaptive thresholds, set the
@@ -555,29 +550,27 @@ def _probe_misses(t: _Tiers, cache: Any, new_input_tokens: Any, args: tuple[Any,
     (`storage_hit_end`) is not probed again."""
     if t.probe is None or kwargs.get("storage_hit_end") is not None:
         return False
-    page = int(getattr(cache, "page_size", 1) or 1)
-    need = max(1, -(-int(getattr(cache, "prefetch_threshold", page) or page) // page))
-    probe_keys = _page_keys(cache, new_input_tokens, args, kwargs, pages=need)
-    if not probe_keys:
+    keys = _page_keys(cache, new_input_tokens, args, kwargs)
+    if not keys:
         return False
+    page = int(getattr(cache, "page_size", 1) or 1)
+    need = min(len(keys), max(1, -(-int(getattr(cache, "prefetch_threshold", page) or page) // page)))
     t0 = time.perf_counter()
     try:
-        first = t.probe(probe_keys[0])
-        enough = first and (len(probe_keys) == 1 or t.probe(probe_keys[-1]))
+        first = t.probe(keys[0])
+        enough = first and (need == 1 or t.probe(keys[need - 1]))
     finally:
         t.spent("probe", time.perf_counter() - t0)
     if enough:
         return False
-    reason = "prefetch_probe_short" if first else "prefetch_probe_miss"
-    t.count(reason)
-    t._m_prefetch.labels("l3_probe_short" if first else "l3_probe_miss").inc()
+    outcome = "short" if first else "miss"
+    t.count(f"prefetch_probe_{outcome}")
+    t._m_prefetch.labels(f"l3_probe_{outcome}").inc()
     # the lookup HiCache would have made still tells selective persistence about reuse (a
     # continuation, or the short hit: at least its first page): without it a store left empty
     # while dormant would stay so
     prefix = args[1] if len(args) >= 2 else kwargs.get("prefix_keys")
-    keys = _page_keys(cache, new_input_tokens, args, kwargs)
-    if keys:
-        t.note_lookup(keys, int(first), bool(prefix))
+    t.note_lookup(keys, int(first), bool(prefix))
     return True
 
 

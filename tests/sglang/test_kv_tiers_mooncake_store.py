@@ -517,7 +517,7 @@ def test_probe_finds_a_page_under_the_key_hicache_looks_up_and_a_miss_starts_no_
     prefetch = _hook(cache)
     tokens = list(range(300, 300 + 6 * PAGE))
     keys = get_storage_hash_str(tokens, None, page_size=PAGE)  # as HiCache's `_storage_hit_query`
-    assert ad._first_page_key(cache, tokens, (None,), {}) == keys[0]
+    assert ad._page_keys(cache, tokens, (None,), {}, pages=1)[0] == keys[0]
 
     assert prefetch("r1", tokens, None, ["p0"]) is None  # nothing stored: no prefetch started
     assert cache.calls == 0 and b.t.counts["prefetch_probe_miss"] == 1
@@ -529,7 +529,7 @@ def test_probe_finds_a_page_under_the_key_hicache_looks_up_and_a_miss_starts_no_
     assert b.t.counts["prefetch_admitted"] == 1 and b.t.counts["prefetch_probe_miss"] == 1
     # chained on an anchor's hash: another key, not stored
     chained = get_storage_hash_str(tokens[:PAGE], keys[0], page_size=PAGE)[0]
-    assert ad._first_page_key(cache, tokens, (keys[0],), {}) == chained != keys[0]
+    assert ad._page_keys(cache, tokens, (keys[0],), {}, pages=1)[0] == chained != keys[0]
     assert prefetch("r3", tokens, keys[0]) is None and cache.calls == 1
     # the first page's V object gone (evicted by the master): the lookup and the probe both miss
     obj = f"{b._tag_keys([keys[0]])[0]}_{b.mha_suffix}_v"

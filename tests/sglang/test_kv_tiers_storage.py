@@ -218,9 +218,9 @@ def test_prefetch_is_not_started_when_its_first_page_is_not_in_l3(backend_factor
     assert cache.calls == 0 and b.t.counts["prefetch_probe_miss"] == 1
     # the probe's key is the one HiCache's storage query looks up first for these tokens
     first = get_storage_hash_str(tokens[:512], None, page_size=16)[0]
-    assert ad._first_page_key(cache, tokens, (None,), {}) == first
+    assert ad._page_keys(cache, tokens, (None,), {}, pages=1)[0] == first
     chained = get_storage_hash_str(tokens[:16], first, page_size=16)[0]
-    assert ad._first_page_key(cache, tokens, (first,), {}) == chained != first
+    assert ad._page_keys(cache, tokens, (first,), {}, pages=1)[0] == chained != first
     assert b.batch_set([first], _pages(1, 3)) and b.store.exists(first)
     assert ad.around_prefetch_from_storage(_Cache.prefetch, cache, "r2", None, tokens) is True
     assert cache.calls == 1 and b.t.counts["prefetch_admitted"] == 1
