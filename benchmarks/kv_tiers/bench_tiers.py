@@ -84,8 +84,10 @@ SERVER_ARGS = ("--page-size", "16", "--chunked-prefill-size", "512")
 SPACE = 1 << 24  # block ids per token space (one space per measurement cell)
 
 
-def setup_args(name: str, store: str, args: argparse.Namespace | None = None, stats_dir: str = ""
-               ) -> tuple[list[str], list[str], dict[str, str]]:
+def setup_args(name: str, store: str, args: argparse.Namespace | None = None, stats_dir: str = "",
+               **l3_extra: Any) -> tuple[list[str], list[str], dict[str, str]]:
+    """Server flags, plugins and environment of a setup; `l3_extra` goes into HiCache's storage
+    extra config (e.g. `prefetch_threshold`) of the file-store setups."""
     env = {"KLLM_EXTRA_PLUGINS": "kllm_plugins.plugins.kv_tiers.hookimpls"}
     if name == "l1_only":
         return [], [], {}
@@ -99,11 +101,11 @@ def setup_args(name: str, store: str, args: argparse.Namespace | None = None, st
             env["KLLM_KV_TIERS_ADAPTIVE_THRESHOLDS"] = "false"
         return flags, ["kv_tiers"], env
     if name == "hicache":  # stock: SGLang's own file backend, no plugin (the CPU platform's patches run HiCache)
-        return l3_args("file"), [], {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": store}
+        return l3_args("file", **l3_extra), [], {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": store}
     env.update({"KLLM_KV_TIERS_STORE_DIR": store})
     if name == "kv_tiers_fixed":  # diagnostic: the plugin's store with stock's fixed thresholds
         env["KLLM_KV_TIERS_ADAPTIVE_THRESHOLDS"] = "false"
-    return l3_args("kllm_file"), ["kv_tiers"], env
+    return l3_args("kllm_file", **l3_extra), ["kv_tiers"], env
 
 
 def server_thread_env(threads: int) -> dict[str, str]:
@@ -114,13 +116,13 @@ def server_thread_env(threads: int) -> dict[str, str]:
     return {} if threads <= 0 else {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
 
 
-def setup_servers(name: str, store: str, args: argparse.Namespace, mdir: str, l1_tokens: int,
-                  threads: int) -> tuple[list[SGLangServer], list[str]]:
-    """A setup's two servers (not started) sharing one L3 `store`, and their plugins."""
-    extra, plugins, env = setup_args(name, store, args, mdir)
+def setup_servers(name: str, store: str, args: argparse.Namespace | None, mdir: str, l1_tokens: int,
+                  threads: int, count: int = 2, **l3_extra: Any) -> tuple[list[SGLangServer], list[str]]:
+    """A setup's `count` servers (not started) sharing one L3 `store`, and their plugins."""
+    extra, plugins, env = setup_args(name, store, args, mdir, **l3_extra)
     servers = [SGLangServer(tiny_llama_path(), plugins=plugins, extra_args=[*SERVER_ARGS, *extra],
                             env={**env, **server_thread_env(threads), "KLLM_KV_TIERS_INSTANCE_ID": f"{name}-{i}"},
-                            max_total_tokens=l1_tokens, startup_timeout_s=400) for i in range(2)]
+                            max_total_tokens=l1_tokens, startup_timeout_s=400) for i in range(count)]
     return servers, plugins
 
 

@@ -29,12 +29,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kllm_plugins.models.tiny_llama import tiny_llama_path
-from kllm_plugins.testing.kv_tiers import flush, kv_tiers_stats, l3_args
+from kllm_plugins.testing.kv_tiers import flush, kv_tiers_stats
 from kllm_plugins.testing.sglang_server import SGLangServer
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_tiers import SERVER_ARGS, server_thread_env  # noqa: E402
+from bench_tiers import setup_servers  # noqa: E402
 from replay import stream_generate  # noqa: E402
 from trace_gen import tokens_for  # noqa: E402
 
@@ -42,28 +41,21 @@ ROOT = Path(__file__).resolve().parents[2]
 NEVER = 1 << 20  # a prefetch threshold no prefix here reaches
 
 
+# each setup: (bench_tiers setup, HiCache storage extra config)
+SETUPS: dict[str, tuple[str, dict[str, int]]] = {
+    "recompute": ("hicache", {"prefetch_threshold": NEVER}),
+    "stock_load": ("hicache", {"prefetch_threshold": 16}),
+    "kv_tiers": ("kv_tiers", {}),
+    "kv_tiers_load": ("kv_tiers_fixed", {"prefetch_threshold": 16}),
+}
+
+
 def setup_server(name: str, store: str, threads: int, l1_tokens: int) -> SGLangServer:
-    env = {**server_thread_env(threads)}
-    plugins: list[str] = []
-    if name == "recompute":
-        extra = l3_args("file", prefetch_threshold=NEVER)
-    elif name == "stock_load":
-        extra = l3_args("file", prefetch_threshold=16)
-    elif name in ("kv_tiers", "kv_tiers_load"):
-        plugins = ["kv_tiers"]
-        env |= {"KLLM_EXTRA_PLUGINS": "kllm_plugins.plugins.kv_tiers.hookimpls", "KLLM_KV_TIERS_STORE_DIR": store,
-                "KLLM_KV_TIERS_INSTANCE_ID": name}
-        if name == "kv_tiers_load":
-            env["KLLM_KV_TIERS_ADAPTIVE_THRESHOLDS"] = "false"
-            extra = l3_args("kllm_file", prefetch_threshold=16)
-        else:
-            extra = l3_args("kllm_file")
-    else:
+    if name not in SETUPS:
         raise SystemExit(f"unknown setup {name!r}")
-    if name in ("recompute", "stock_load"):
-        env["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = store
-    return SGLangServer(tiny_llama_path(), plugins=plugins, extra_args=[*SERVER_ARGS, *extra], env=env,
-                        max_total_tokens=l1_tokens, startup_timeout_s=400)
+    setup, l3_extra = SETUPS[name]
+    servers, _ = setup_servers(setup, store, None, "", l1_tokens, threads, count=1, **l3_extra)
+    return servers[0]
 
 
 def blocks(start: int, n_tokens: int) -> list[int]:

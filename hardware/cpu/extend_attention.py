@@ -18,9 +18,9 @@ import torch
 from torch.nn.functional import scaled_dot_product_attention
 
 
-def shifted_causal_mask(n_new: int, n_kv: int) -> torch.Tensor:
+def shifted_causal_mask(n_new: int, n_kv: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """[n_new, n_kv] booleans, True where new token i (at position n_kv - n_new + i) may attend key j."""
-    return torch.ones(n_new, n_kv, dtype=torch.bool).tril(diagonal=n_kv - n_new)
+    return torch.ones(n_new, n_kv, dtype=torch.bool, device=device).tril(diagonal=n_kv - n_new)
 
 
 def extend_attention(query: torch.Tensor, output: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -41,7 +41,7 @@ def extend_attention(query: torch.Tensor, output: torch.Tensor, k_cache: torch.T
         square = n_new == n_kv
         out = scaled_dot_product_attention(
             q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
-            attn_mask=None if square else shifted_causal_mask(n_new, n_kv).to(q.device),
+            attn_mask=None if square else shifted_causal_mask(n_new, n_kv, q.device),
             is_causal=square, scale=scaling, enable_gqa=enable_gqa)
         output[start:start + n_new] = out.squeeze(0).movedim(1, 0)
         start += n_new

@@ -66,15 +66,19 @@ class LinearCost:
             var = self._mxx - self._mx * self._mx
             # Sizes that barely vary give no slope: charge everything per unit.
             if var <= 1e-12 * max(self._mxx, 1e-300):
-                return CostPrior(0.0, max(self._my / self._mx, 1e-15))
+                return self._per_unit_only()
             cov = self._mxy - self._mx * self._my
             slope = cov / var
             if slope <= 0 or not self._slope_shown(var, cov, slope):
-                return CostPrior(0.0, max(self._my / self._mx, 1e-15))
+                return self._per_unit_only()
             fixed = self._my - slope * self._mx
             if fixed < 0:
-                return CostPrior(0.0, max(self._my / self._mx, 1e-15))
+                return self._per_unit_only()
             return CostPrior(fixed, slope)
+
+    def _per_unit_only(self) -> CostPrior:
+        """No fixed part: all the time charged per unit at the sizes seen (lock held)."""
+        return CostPrior(0.0, max(self._my / self._mx, 1e-15))
 
     def _slope_shown(self, var: float, cov: float, slope: float) -> bool:
         """Whether the slope stands `min_t` standard errors above zero (lock held). The moments are
