@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -121,7 +122,11 @@ def medium_note(args: argparse.Namespace) -> str:
 
 
 def plot(runs: list[dict[str, Any]], path: str) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # not a dependency of the project: the figures are in the results already
+        print(f"plot skipped ({path}): matplotlib is not installed", file=sys.stderr)
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

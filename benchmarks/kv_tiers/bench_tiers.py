@@ -246,6 +246,20 @@ def save_partial(args: argparse.Namespace, cells: dict[tuple[str, str], dict[tup
     Path(args.partial).write_text(json.dumps(doc, indent=1) + "\n")
 
 
+def load_partial(path: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The runs of a `--partial` file (a run that stopped after its last lifetime, e.g. in plotting),
+    summarized as `run` does; `args` must be the run's own."""
+    doc = json.loads(Path(path).read_text())
+    cells: dict[tuple[str, str], dict[tuple[Any, int], dict[str, Any]]] = {}
+    for c in doc["cells"]:
+        c = dict(c)
+        key = (c.pop("setup"), c.pop("trace"))
+        cells.setdefault(key, {})[(c.pop("step"), c.pop("repeat"))] = c
+    stats = doc.get("stats", {})
+    return [summarize(n, t, cl, args, stats.get(n, [])) for (n, t), cl in cells.items()
+            if any(st == "serial" for st, _ in cl)]
+
+
 def run(args: argparse.Namespace, traces: dict[str, list[dict[str, Any]]], t_start: float
         ) -> list[dict[str, Any]]:
     setups = args.setups.split(",")
@@ -382,6 +396,9 @@ def main() -> None:
                          "others share a start between consecutive repeats): each repeat of every setup then "
                          "begins right after a start, and lifetime-to-lifetime spread shows in every setup")
     ap.add_argument("--no-record", action="store_true", help="do not write results files")
+    ap.add_argument("--from-partial", default="",
+                    help="run nothing: report and record the cells of this --partial file (give the run's own "
+                         "other arguments; e.g. a run that stopped after measuring)")
     ap.add_argument("--results-root", default=str(ROOT), help="write results under this folder (smoke runs)")
     args = ap.parse_args()
     args.rate_list = [float(x) for x in args.rates.split(",") if x]
@@ -403,12 +420,17 @@ def main() -> None:
         print(pressure["summary"], flush=True)
         save_partial(args, {}, {}, {"pressure": pressure})
     traces = build_traces(args)
-    runs = run(args, traces, t_start)
+    if args.from_partial:
+        runs = load_partial(args.from_partial, args)
+        cut = sys.argv.index("--from-partial")
+        command = "python " + " ".join([str(Path(sys.argv[0]))] + sys.argv[1:cut] + sys.argv[cut + 2:])
+    else:
+        runs = run(args, traces, t_start)
     report(runs, traces, args)
-    if args.plot:
-        plot(runs, args.plot)
     if not args.no_record:
         record(runs, traces, args, command, pressure)
+    if args.plot:
+        plot(runs, args.plot)
 
 
 if __name__ == "__main__":

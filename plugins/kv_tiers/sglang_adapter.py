@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import tempfile
@@ -40,6 +41,7 @@ logger = logging.getLogger("kllm.kv_tiers")
 
 PLUGIN = "kv_tiers"
 _NO_FETCH_THRESHOLD = 1 << 30  # "never": longer than any context
+_NEVER_LOG_EVERY_S = 60.0  # a tier's worth-fetching turns are logged at most this often
 
 
 def _config(extra: dict[str, Any] | None = None) -> KvTiersConfig:
@@ -105,6 +107,7 @@ class _Tiers:
                                                 "misses": 0, "miss_seconds": 0.0}
         self._lock = threading.Lock()
         self._never: dict[str, bool] = {}
+        self._never_logged: dict[str, float] = {}
         self._m_pages = metrics.counter("kllm_kv_tiers_l3_pages_total", "L3 pages by outcome", ("outcome",))
         self._m_faults = metrics.counter("kllm_kv_tiers_l3_faults_total", "L3 pages refused or failed, by reason",
                                          ("reason",))
@@ -152,14 +155,20 @@ class _Tiers:
                 self.backend_stats.faults[reason] = self.backend_stats.faults.get(reason, 0) + n
         self._m_faults.labels(reason).inc(n)
 
-    def note_threshold(self, tier: str, min_tokens: float) -> None:
-        """Log once each time a tier turns from worth fetching to not (or back): with a slow or
-        overloaded store every hit is recomputed, and the log says so and why."""
-        never = min_tokens == float("inf")
+    def note_threshold(self, tier: str, min_tokens: float, request_tokens: int | None = None) -> None:
+        """Log each time a tier turns from worth fetching to not (or back), at most once a minute:
+        with a slow or overloaded store every hit is recomputed, and the log says so and why. "Not"
+        = no hit is worth it, or none within the request (`request_tokens`): the break-even length
+        depends on the request's length, so requests of mixed lengths can alternate."""
+        never = min_tokens == float("inf") or (request_tokens is not None and min_tokens > request_tokens)
+        now = time.monotonic()
         with self._lock:
             was = self._never.get(tier)
             self._never[tier] = never
-        if was is None and not never or was == never or self.fetch is None:
+            quiet = now - self._never_logged.get(tier, -math.inf) < _NEVER_LOG_EVERY_S
+            if not quiet and not (was is None and not never or was == never):
+                self._never_logged[tier] = now
+        if was is None and not never or was == never or self.fetch is None or quiet:
             return
         snap = self.fetch.snapshot()
         if never:
@@ -507,9 +516,11 @@ def around_prefetch_from_storage(original: Callable[..., Any], self: Any, reques
     args, kwargs = _full_prefix_keys(self, last_host_node_id, args, kwargs)
     if adaptive:
         assert t.fetch is not None
-        min_tokens = t.fetch.min_fetch_tokens("l3")
-        t.note_threshold("l3", min_tokens)
         page = int(getattr(self, "page_size", 1))
+        prefix = args[1] if len(args) >= 2 else kwargs.get("prefix_keys")
+        context = len(prefix or ()) * page + len(new_input_tokens)  # the request's length, as far as told
+        min_tokens = t.fetch.min_fetch_tokens("l3", context)
+        t.note_threshold("l3", min_tokens, context)
         self.prefetch_threshold = max(page, _NO_FETCH_THRESHOLD if min_tokens == float("inf") else int(min_tokens))
     already = request in (getattr(self, "ongoing_prefetch", None) or {})
     if not adaptive and (already or len(new_input_tokens) < int(getattr(self, "prefetch_threshold", 0) or 0)):
@@ -622,8 +633,16 @@ def around_run_batch(original: Callable[..., Any], self: Any, batch: Any, *args:
     if t is not None and t.fetch is not None and mode is not None and mode.is_extend():
         tokens = int(getattr(batch, "extend_num_tokens", 0) or 0)
         if tokens > 0:
-            t.fetch.observe_prefill(tokens, time.perf_counter() - t0)
+            t.fetch.observe_prefill(tokens, time.perf_counter() - t0, _attention_pairs(batch))
     return result
+
+
+def _attention_pairs(batch: Any) -> int | None:
+    """Sum over the batch's requests of new tokens x sequence length (None where not told)."""
+    ext, pre = getattr(batch, "extend_lens", None), getattr(batch, "prefix_lens", None)
+    if not ext or not pre or len(ext) != len(pre):
+        return None
+    return sum(int(e) * (int(p) + int(e)) for e, p in zip(ext, pre))
 
 
 def after_take_events(result: Any, self: Any, *args: Any, **kwargs: Any) -> Any:

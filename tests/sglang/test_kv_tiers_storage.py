@@ -428,6 +428,30 @@ def test_prefetch_hook_refuses_when_recompute_is_cheaper(backend_factory) -> Non
     assert cache.prefetch_threshold >= 1 << 30 and cache.calls == 0
 
 
+def test_run_batch_hook_feeds_prefill_passes_with_their_attention_pairs(backend_factory) -> None:
+    """Extend batches are timed with their new tokens and, where the batch tells its requests'
+    prefix and extend lengths, the attention pairs; decode batches are not prefill."""
+    from types import SimpleNamespace
+
+    from kllm_plugins.plugins.kv_tiers import sglang_adapter as ad
+
+    b = backend_factory()
+    mode = SimpleNamespace(is_extend=lambda: True)
+
+    def run(self: Any, batch: Any) -> str:
+        return "out"
+
+    batch = SimpleNamespace(forward_mode=mode, extend_num_tokens=96, extend_lens=[64, 32], prefix_lens=[128, 0])
+    assert ad._attention_pairs(batch) == 64 * (128 + 64) + 32 * 32
+    assert ad.around_run_batch(run, None, batch) == "out"
+    untold = SimpleNamespace(forward_mode=mode, extend_num_tokens=96)
+    ad.around_run_batch(run, None, untold)
+    decode = SimpleNamespace(forward_mode=SimpleNamespace(is_extend=lambda: False), extend_num_tokens=0)
+    ad.around_run_batch(run, None, decode)
+    prefill = b.t.fetch.prefill
+    assert prefill.samples == 1 and prefill.linear.samples == 2
+
+
 def test_load_back_hook_measures_and_sets_threshold(backend_factory) -> None:
     from kllm_plugins.plugins.kv_tiers import sglang_adapter as ad
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kllm_plugins.plugins.kv_tiers.core.cost_model import CostPrior, LinearCost
+from kllm_plugins.plugins.kv_tiers.core.cost_model import CostPrior, LinearCost, PrefillCost
 from kllm_plugins.plugins.kv_tiers.core.fetch_policy import FetchOrRecompute
 from kllm_plugins.plugins.kv_tiers.core.persistence import BusyMeter, PersistencePolicy, ReuseCounter
 from kllm_plugins.plugins.kv_tiers.core.prefetch_gate import PrefetchGate
@@ -53,6 +53,72 @@ def test_linear_cost_rejects_bad_arguments_and_ignores_bad_samples() -> None:
     c.observe(0, 1.0)
     c.observe(10, -1.0)
     assert c.samples == 0
+
+
+def _passes(seed: int = 0, count: int = 60) -> list[tuple[int, int]]:
+    """(new tokens, sum of new x sequence length) of prefill passes: one request each, varied new
+    tokens and cached prefixes, as a server with chunked prefill and prefix hits runs them."""
+    import random
+
+    rnd = random.Random(seed)
+    out = []
+    for _ in range(count):
+        new = rnd.choice((64, 128, 256, 512))
+        prefix = rnd.choice((0, 0, 256, 1024, 2048))
+        out.append((new, new * (prefix + new)))
+    return out
+
+
+def test_prefill_cost_separates_attention_from_per_token_work() -> None:
+    """Passes cost 5 ms + 40 us/token + 20 ns per (token, context token) pair: the fit recovers both
+    slopes, and recomputing a token costs more in a long request than in a short one."""
+    import random
+
+    c = PrefillCost(CostPrior(0.0, 1e-3), alpha=0.05)
+    noise = random.Random(1)
+    for n, a in _passes() * 3:
+        c.observe(n, (0.005 + 4e-5 * n + 2e-8 * a) * (1 + 0.02 * noise.uniform(-1, 1)), a)
+    p = c.params()
+    assert p.per_token_s == pytest.approx(4e-5, rel=0.15)
+    assert p.per_pair_s == pytest.approx(2e-8, rel=0.15)
+    assert p.fixed_s == pytest.approx(0.005, rel=0.3)
+    assert p.marginal_s(2048) > 1.5 * p.marginal_s(128)
+
+
+def test_prefill_cost_without_attention_term_is_the_linear_fit() -> None:
+    """Timings that do not depend on the pairs (or passes whose pairs follow their size, with no
+    prefix ever) leave the pair term out: the model is LinearCost on the new tokens."""
+    flat = PrefillCost(CostPrior(0.0, 1e-3), alpha=0.05)
+    tied = PrefillCost(CostPrior(0.0, 1e-3), alpha=0.05)
+    for n, a in _passes() * 3:
+        flat.observe(n, 0.005 + 4e-5 * n, a)
+        tied.observe(n, 0.005 + 4e-5 * n + 2e-8 * n * n, n * 16)  # pairs proportional to size: collinear
+    for c in (flat, tied):
+        p = c.params()
+        lin = c.linear.params()
+        assert p.per_pair_s == 0.0 and (p.fixed_s, p.per_token_s) == (lin.fixed_s, lin.per_unit_s)
+    # and passes without pairs (a batch that does not tell them) only feed the linear model
+    c = PrefillCost(CostPrior(0.0, 1e-3))
+    for n, _ in _passes():
+        c.observe(n, 0.005 + 4e-5 * n)
+    assert c.samples == 0 and c.linear.samples == 60 and c.params().per_pair_s == 0.0
+
+
+def test_break_even_length_depends_on_the_request_length() -> None:
+    """With attention learned, a cached token is cheaper to recompute in a short request: the break-
+    even length is higher there than in a long one, and each agrees with `decide` at that length."""
+    p = _policy(l3_bw=2e9, prefill_tps=10_000, l3_lat=4e-3, margin=1.2)
+    for n, a in _passes() * 3:
+        p.observe_prefill(n, 0.005 + 4e-5 * n + 2e-8 * a, a)
+    short, long_ = p.min_fetch_tokens("l3", 128), p.min_fetch_tokens("l3", 4096)
+    assert math.isfinite(short) and long_ < short
+    for context, thr in ((128, short), (4096, long_)):
+        assert p.decide("l3", int(thr), context).fetch
+        assert not p.decide("l3", int(thr) - 1, context).fetch
+    # the hit alone (request length unknown): the threshold solves n (b + c n) = margin * fetch(n)
+    alone = p.min_fetch_tokens("l3")
+    assert p.decide("l3", int(alone)).fetch and not p.decide("l3", int(alone) - 1).fetch
+    assert p.snapshot()["prefill_s_per_pair"] == pytest.approx(2e-8, rel=0.05)
 
 
 def _policy(l3_bw: float, prefill_tps: float, l3_lat: float = 1e-3, margin: float = 1.0, explore: int = 0) -> FetchOrRecompute:

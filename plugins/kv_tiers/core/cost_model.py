@@ -101,3 +101,88 @@ class LinearCost:
     @property
     def warm(self) -> bool:
         return self.samples >= self.min_samples
+
+
+@dataclass(frozen=True)
+class PrefillParams:
+    fixed_s: float
+    """Seconds per pass regardless of size."""
+    per_token_s: float
+    """Seconds per new token (the linear layers, and the attention of a token to itself)."""
+    per_pair_s: float
+    """Seconds per (new token, context token) pair: attention, 0 where not shown by the data."""
+
+    def marginal_s(self, context: float) -> float:
+        """Seconds of one more new token in a sequence of `context` tokens."""
+        return self.per_token_s + self.per_pair_s * max(context, 0.0)
+
+
+class PrefillCost:
+    """Prefill seconds of a pass = fixed + per_token * N + per_pair * A, where N is the pass's new
+    tokens and A the sum over its requests of new tokens x sequence length (the query-key pairs that
+    attention computes, up to the causal half).
+
+    Recomputing a cached prefix of n tokens in a request of T tokens turns n cached tokens into new
+    ones: it costs n * (per_token + per_pair * T), more per token in a long request than in a short
+    one. A model linear in N alone charges every token the average slope over the sizes seen, too
+    much for a short request (its break-even length comes out low) and too little for a long one.
+
+    Both slopes come from an EWMA least-squares fit on (N, A); the pair term is used only where the
+    data show it (`min_t` standard errors above zero, with a positive per-token slope and fixed
+    part), otherwise the model is `LinearCost` on N (which then answers `per_pair_s = 0`).
+    """
+
+    # features scaled to keep the moments' magnitudes close (A reaches 1e7 pairs per pass)
+    _SN = 1e-3
+    _SA = 1e-6
+
+    def __init__(self, prior: CostPrior, alpha: float = 0.1, min_samples: int = 3, min_t: float = 3.0) -> None:
+        self.linear = LinearCost(prior, alpha, min_samples, min_t)
+        self.alpha = alpha
+        self.min_t = min_t
+        self.samples = 0
+        self._m = [0.0] * 9  # n, a, nn, aa, na, y, ny, ay, yy
+        self._lock = threading.Lock()
+
+    def observe(self, tokens: float, seconds: float, pairs: float | None = None) -> None:
+        """A pass of `tokens` new tokens took `seconds`; `pairs` = sum of new x sequence length over
+        its requests (None: unknown, only the linear model learns)."""
+        self.linear.observe(tokens, seconds)
+        if pairs is None or tokens <= 0 or seconds < 0 or pairs < 0:
+            return
+        n, a, y = tokens * self._SN, pairs * self._SA, seconds
+        with self._lock:
+            w = self.alpha if self.samples else 1.0
+            for i, v in enumerate((n, a, n * n, a * a, n * a, y, n * y, a * y, y * y)):
+                self._m[i] += w * (v - self._m[i])
+            self.samples += 1
+
+    def params(self) -> PrefillParams:
+        lin = self.linear.params()
+        fallback = PrefillParams(lin.fixed_s, lin.per_unit_s, 0.0)
+        with self._lock:
+            if self.samples < max(self.linear.min_samples, 4):
+                return fallback
+            mn, ma, mnn, maa, mna, my, mny, may, myy = self._m
+            samples = self.samples
+        vnn, vaa, vna = mnn - mn * mn, maa - ma * ma, mna - mn * ma
+        gn, ga, vyy = mny - mn * my, may - ma * my, myy - my * my
+        det = vnn * vaa - vna * vna
+        if vnn <= 0 or vaa <= 0 or det <= 1e-9 * vnn * vaa:
+            return fallback  # sizes and pairs move together (or not at all): no separate pair term
+        b = (gn * vaa - ga * vna) / det
+        c = (ga * vnn - gn * vna) / det
+        fixed = my - b * mn - c * ma
+        if b <= 0 or c <= 0 or fixed < 0:
+            return fallback
+        n_eff = min(float(samples), (2.0 - self.alpha) / self.alpha)
+        if n_eff > 3:
+            resid = max(vyy - b * gn - c * ga, 0.0)
+            se2 = resid / (n_eff - 3.0) * vnn / det
+            if c * c < self.min_t * self.min_t * se2:
+                return fallback
+        return PrefillParams(fixed, b * self._SN, c * self._SA)
+
+    @property
+    def warm(self) -> bool:
+        return self.linear.warm

@@ -2,10 +2,12 @@
 
 Loading `n` cached tokens from a tier costs the tier's latency plus `n * bytes_per_token`
 over its bandwidth (an L3 hit also crosses L2 on its way to the device); recomputing them costs
-the instance's prefill time for `n` tokens. Both are learned online (`cost_model.LinearCost`).
-A hit is fetched only when fetching is cheaper by `margin`; since both costs are affine in `n`,
-that is equivalent to a minimum hit length per tier, which is what HiCache's prefetch threshold
-takes. A slow tier therefore stops being used, and a tier is re-measured now and then
+the instance's prefill time for `n` tokens. Both are learned online (`cost_model.LinearCost`,
+`cost_model.PrefillCost`). Recomputing costs more per token in a longer request (attention), so the
+prefill model has a per-token and a per-(token, context token) term, and a decision may be given the
+request's length (`context`). A hit is fetched only when fetching is cheaper by `margin`; since the
+costs grow monotonically with `n`, that is equivalent to a minimum hit length per tier and request
+length, which is what HiCache's prefetch threshold takes. A slow tier therefore stops being used, and a tier is re-measured now and then
 (`explore_every`) so that it can come back when it gets faster.
 
 An L3 fetch costs the request more than the page reads: the request waits for its whole prefetch
@@ -22,7 +24,7 @@ import threading
 from dataclasses import dataclass
 from typing import Literal
 
-from kllm_plugins.plugins.kv_tiers.core.cost_model import CostPrior, LinearCost
+from kllm_plugins.plugins.kv_tiers.core.cost_model import CostPrior, LinearCost, PrefillCost
 
 Tier = Literal["l2", "l3"]
 
@@ -68,7 +70,7 @@ class FetchOrRecompute:
             "l2": LinearCost(l2_prior, alpha),
             "l3": LinearCost(l3_prior, alpha),
         }
-        self.prefill = LinearCost(prefill_prior, alpha)
+        self.prefill = PrefillCost(prefill_prior, alpha)
         self.alpha = alpha
         self.l3_overhead_s = 0.0  # EWMA of (a request's prefetch wait - modelled read time)
         self.l3_waits = 0
@@ -91,8 +93,10 @@ class FetchOrRecompute:
             self.l3_overhead_s += a * (extra - self.l3_overhead_s)
             self.l3_waits += 1
 
-    def observe_prefill(self, tokens: int, seconds: float) -> None:
-        self.prefill.observe(tokens, seconds)
+    def observe_prefill(self, tokens: int, seconds: float, pairs: int | None = None) -> None:
+        """A prefill pass of `tokens` new tokens took `seconds`; `pairs`: the sum over its requests of
+        new tokens x sequence length (None: unknown)."""
+        self.prefill.observe(tokens, seconds, pairs)
 
     # -- deciding ----------------------------------------------------------------------------
 
@@ -103,14 +107,16 @@ class FetchOrRecompute:
             s += self.tiers["l3"].seconds(nbytes) + self.l3_overhead_s
         return s
 
-    def recompute_seconds(self, tokens: int) -> float:
-        return self.prefill.seconds(tokens) - self.prefill.params().fixed_s  # the pass runs anyway
+    def recompute_seconds(self, tokens: int, context: int = 0) -> float:
+        """Recomputing `tokens` cached tokens of a request of `context` tokens (at least `tokens`);
+        the pass and its fixed cost run anyway."""
+        return tokens * self.prefill.params().marginal_s(max(context, tokens))
 
-    def decide(self, tier: Tier, tokens: int) -> FetchDecision:
+    def decide(self, tier: Tier, tokens: int, context: int = 0) -> FetchDecision:
         if tokens <= 0:
             return FetchDecision(False, tier, tokens, 0.0, 0.0, "empty")
         f = self.fetch_seconds(tier, tokens)
-        r = self.recompute_seconds(tokens)
+        r = self.recompute_seconds(tokens, context)
         if f * self.margin < r:
             return FetchDecision(True, tier, tokens, f, r, "fetch_cheaper")
         if self.explore_refused(tier):
@@ -124,8 +130,9 @@ class FetchOrRecompute:
             self._refused[tier] += 1
             return self.explore_every > 0 and self._refused[tier] % self.explore_every == 0
 
-    def min_fetch_tokens(self, tier: Tier) -> float:
-        """Smallest hit (tokens) worth fetching from `tier`; `math.inf` when none is."""
+    def min_fetch_tokens(self, tier: Tier, context: int = 0) -> float:
+        """Smallest hit (tokens) worth fetching from `tier` in a request of `context` tokens (0:
+        unknown, the hit alone); `math.inf` when none is."""
         b = self.bytes_per_token
         l2 = self.tiers["l2"].params()
         fixed = l2.fixed_s
@@ -134,10 +141,19 @@ class FetchOrRecompute:
             l3 = self.tiers["l3"].params()
             fixed += l3.fixed_s + self.l3_overhead_s
             per_tok += l3.per_unit_s * b
-        gain = self.prefill.params().per_unit_s - self.margin * per_tok
-        if gain <= 0:
+        pre = self.prefill.params()
+        m_fixed, m_tok = self.margin * fixed, self.margin * per_tok
+        gain = pre.marginal_s(context) - m_tok  # per hit token, while the hit is within `context`
+        if gain > 0:
+            n = m_fixed / gain
+            if pre.per_pair_s <= 0 or n < context:
+                return math.floor(n) + 1
+        if pre.per_pair_s <= 0:
             return math.inf
-        return math.floor(self.margin * fixed / gain) + 1
+        # a hit longer than `context` is the request: n * (per_token + per_pair * n) > margin * fetch(n)
+        b = pre.per_token_s - m_tok
+        n = (-b + math.sqrt(b * b + 4.0 * pre.per_pair_s * m_fixed)) / (2.0 * pre.per_pair_s)
+        return math.floor(max(n, context)) + 1
 
     def snapshot(self) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -149,6 +165,8 @@ class FetchOrRecompute:
             out[f"{name}_min_fetch_tokens"] = self.min_fetch_tokens(name)  # type: ignore[arg-type]
         out["l3_prefetch_overhead_s"] = self.l3_overhead_s
         out["l3_prefetch_waits"] = float(self.l3_waits)
-        out["prefill_tokens_per_s"] = self.prefill.rate()
-        out["prefill_samples"] = float(self.prefill.samples)
+        pre = self.prefill.params()
+        out["prefill_tokens_per_s"] = 1.0 / pre.per_token_s
+        out["prefill_s_per_pair"] = pre.per_pair_s
+        out["prefill_samples"] = float(self.prefill.linear.samples)
         return out
