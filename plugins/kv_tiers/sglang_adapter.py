@@ -344,13 +344,7 @@ class KllmFileStorage(HiCacheStorage):
         return n
 
     def get(self, key: str, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None) -> torch.Tensor | None:
-        if self.store is None or target_location is None:
-            return None
-        before = dict(self.store.stats.faults)
-        ok = self.store.get_into(key, memoryview(target_location.view(torch.uint8).numpy()).cast("B"))
-        self._fault_metrics(before)
-        self.t._m_pages.labels("hit" if ok else "miss").inc()
-        return target_location if ok else None
+        return self.batch_get([key], [target_location])[0]
 
     def batch_get(self, keys: List[str], target_locations: Optional[Any] = None,
                   target_sizes: Optional[Any] = None) -> List[torch.Tensor | None]:
@@ -362,12 +356,22 @@ class KllmFileStorage(HiCacheStorage):
 
     def _batch_get(self, keys: List[str], target_locations: Optional[Any]) -> List[torch.Tensor | None]:
         out: list[torch.Tensor | None] = [None] * len(keys)
+        if self.store is None or target_locations is None:
+            return out
+        before = dict(self.store.stats.faults)
+        hits = 0
         for i, key in enumerate(keys):
-            target = target_locations[i] if target_locations is not None else None
-            got = self.get(key, target)
-            if got is None:
+            target = target_locations[i]
+            if target is None:
+                break
+            if not self.store.get_into(key, memoryview(target.view(torch.uint8).numpy()).cast("B")):
+                self.t._m_pages.labels("miss").inc()
                 break  # a prefix ends at its first missing page
-            out[i] = got
+            out[i] = target
+            hits += 1
+        if hits:
+            self.t._m_pages.labels("hit").inc(hits)
+        self._fault_metrics(before)
         return out
 
     # -- writes --------------------------------------------------------------------------

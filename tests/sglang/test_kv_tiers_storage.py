@@ -510,8 +510,6 @@ def test_second_sighting_may_happen_on_another_instance(backend_factory, tmp_pat
 def test_slow_store_is_measured_and_then_recomputed(backend_factory, monkeypatch, caplog) -> None:
     """A store that turns slow: its reads are timed, the break-even length becomes "never", the
     prefetch hook refuses L3 for new requests, and a metric and a log line say why."""
-    import builtins
-
     import time
 
     from kllm_plugins.plugins.kv_tiers import sglang_adapter as ad
@@ -524,11 +522,13 @@ def test_slow_store_is_measured_and_then_recomputed(backend_factory, monkeypatch
     _store_pages(b, cache, list(range(512)))
     assert ad.around_prefetch_from_storage(_Cache.prefetch, cache, "r0", None, list(range(512))) is True
 
-    def slow_open(*args: Any, **kwargs: Any) -> Any:  # a disk answering in 50 ms a page
-        time.sleep(0.05)
-        return builtins.open(*args, **kwargs)
+    fast_readv = os.readv
 
-    monkeypatch.setattr(file_store, "open", slow_open, raising=False)
+    def slow_readv(*args: Any) -> Any:  # a disk answering in 50 ms a page
+        time.sleep(0.05)
+        return fast_readv(*args)
+
+    monkeypatch.setattr(file_store.os, "readv", slow_readv)
     for _ in range(4):
         dst = [torch.empty(PAGE_ELEMS, dtype=torch.bfloat16) for _ in keys]
         assert all(g is not None for g in b.batch_get(keys, dst))  # still correct, only slow
@@ -546,8 +546,6 @@ def test_store_refused_as_slow_is_re_measured_and_used_again_when_fast(backend_f
     """A store measured slower than recomputing is not written off for the server's lifetime: every
     `explore_every`-th refused prefetch starts anyway, its reads re-measure the store, and once the
     store is fast again prefetches are admitted by the break-even length as before."""
-    import builtins
-
     import time
 
     from kllm_plugins.plugins.kv_tiers import sglang_adapter as ad
@@ -563,11 +561,13 @@ def test_store_refused_as_slow_is_re_measured_and_used_again_when_fast(backend_f
         dst = [torch.empty(PAGE_ELEMS, dtype=torch.bfloat16) for _ in keys]
         assert all(g is not None for g in b.batch_get(keys, dst))
 
-    def slow_open(*args: Any, **kwargs: Any) -> Any:  # a disk answering in 50 ms a page
-        time.sleep(0.05)
-        return builtins.open(*args, **kwargs)
+    fast_readv = os.readv
 
-    monkeypatch.setattr(file_store, "open", slow_open, raising=False)
+    def slow_readv(*args: Any) -> Any:  # a disk answering in 50 ms a page
+        time.sleep(0.05)
+        return fast_readv(*args)
+
+    monkeypatch.setattr(file_store.os, "readv", slow_readv)
     for _ in range(4):
         read_all()
     assert b.t.fetch.min_fetch_tokens("l3") == float("inf")

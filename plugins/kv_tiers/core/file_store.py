@@ -331,15 +331,21 @@ class FilePageStore:
         `out` may then hold partial data and must not be used."""
         t0 = time.perf_counter()
         self.stats.gets += 1
+        head, spill = bytearray(HEADER_SIZE), bytearray(1)
         try:
-            with open(self.path_of(key), "rb", buffering=0) as f:
-                header = decode_header(f.read(HEADER_SIZE))
-                if header.payload_len == len(out):
-                    got = f.readinto(out)
-                    if got != len(out):
-                        raise PageError(PageFault.TRUNCATED, f"payload has {got} of {len(out)} bytes")
-                    if f.read(1):
-                        raise PageError(PageFault.CORRUPT, "trailing bytes")
+            # one read for header, payload and a byte past it (a longer file is not this page)
+            fd = os.open(self.path_of(key), os.O_RDONLY)
+            try:
+                n = os.readv(fd, [head, out, spill])
+            finally:
+                os.close(fd)
+            header = decode_header(memoryview(head)[: max(0, min(n, HEADER_SIZE))])
+            if header.payload_len == len(out):
+                got = n - HEADER_SIZE
+                if got < len(out):
+                    raise PageError(PageFault.TRUNCATED, f"payload has {got} of {len(out)} bytes")
+                if got > len(out):
+                    raise PageError(PageFault.CORRUPT, "trailing bytes")
             check_page(header, self.ns_digest, key, out, len(out))
         except (PageError, OSError) as exc:
             self._refused(key, exc)
