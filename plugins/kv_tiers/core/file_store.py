@@ -17,6 +17,7 @@ import logging
 import os
 import re
 import threading
+import itertools
 import time
 import uuid
 from collections import OrderedDict
@@ -101,6 +102,8 @@ class FilePageStore:
         self.capacity_bytes = capacity_bytes
         self.fsync = fsync
         self.shared = shared
+        self._tmp_prefix = f"{os.getpid():x}{uuid.uuid4().hex[:8]}"  # temporaries: this store's own names
+        self._tmp_seq = itertools.count()
         self.on_transfer = on_transfer
         self.on_store = on_store
         self.on_remove = on_remove
@@ -279,14 +282,21 @@ class FilePageStore:
 
     def _write(self, key: str, payload: bytes | memoryview) -> bool:
         header = encode_header(self.ns_digest, key, payload)
-        tmp = os.path.join(self.folder, f".tmp-{uuid.uuid4().hex}")
+        # unique across the processes and threads sharing the folder, without a random read per page
+        tmp = os.path.join(self.folder, f".tmp-{self._tmp_prefix}-{threading.get_ident():x}-{next(self._tmp_seq)}")
         for attempt in (0, 1):
             try:
-                with open(tmp, "wb", buffering=0) as f:
-                    f.write(header)
-                    f.write(payload)
+                # few system calls per page: each releases and retakes the GIL, which the scheduler's
+                # thread then has to hand back (open, one gathered write, close, rename)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                try:
+                    n = os.writev(fd, [header, payload])
                     if self.fsync:
-                        os.fsync(f.fileno())
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
+                if n != len(header) + len(payload):
+                    raise OSError(f"short write: {n} of {len(header) + len(payload)} bytes")
                 os.replace(tmp, self.path_of(key))
                 return True
             except FileNotFoundError:
