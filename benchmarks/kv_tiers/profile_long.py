@@ -66,7 +66,10 @@ def cpu_split(pid: int, before: dict[int, float], after: dict[int, float]) -> tu
 
 def profile(setup: str, trace: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
     store = tempfile.mkdtemp(prefix=f"kvt-prof-{setup}-")
-    servers, plugins = setup_servers(setup, store, None, "", args.l1_tokens, args.server_threads)
+    # "hicache+prefix_keys": stock with HiCache passing prefix keys to the backend, as kv_tiers' setup does
+    name, _, extra = setup.partition("+")
+    l3_extra = {"hicache_storage_pass_prefix_keys": True} if extra == "prefix_keys" else {}
+    servers, plugins = setup_servers(name, store, None, "", args.l1_tokens, args.server_threads, **l3_extra)
     if not args.sleep_on_idle:
         for s in servers:
             s.args.remove("--sleep-on-idle")
@@ -88,7 +91,8 @@ def profile(setup: str, trace: list[dict[str, Any]], args: argparse.Namespace) -
 
             for k, pid in enumerate(pids):
                 spies.append(subprocess.Popen(
-                    ["py-spy", "record", "-p", str(pid), "-r", "100", "--threads", "--idle", "--nonblocking",
+                    ["py-spy", "record", "-p", str(pid), "-r", "100", "--threads", "--nonblocking",
+                     *(["--gil"] if args.py_spy_gil else ["--idle"]),
                      "--format", "raw", "-o", f"{args.py_spy}-{setup}-{k}.txt", "-d", "600"],
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
             time.sleep(1.0)
@@ -138,6 +142,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sleep-on-idle", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--py-spy", default="", help="sample the schedulers with py-spy into <prefix>-<setup>-<k>.txt")
+    ap.add_argument("--py-spy-gil", action="store_true", help="py-spy samples only the thread holding the GIL")
     ap.add_argument("--out", default="/tmp/kvt3/profile.json")
     ap.add_argument("--trace", choices=("long", "short"), default="long",
                     help="long: the long-context synthetic trace; short: bench_tiers' default synthetic shape")
