@@ -73,6 +73,9 @@ def profile(setup: str, trace: list[dict[str, Any]], args: argparse.Namespace) -
     if not args.sleep_on_idle:
         for s in servers:
             s.args.remove("--sleep-on-idle")
+    if args.enable_metrics:  # SGLang then reports each request's L3 prefetch wait (storage_prefetch_wait)
+        for s in servers:
+            s.args.append("--enable-metrics")
     urls = [s.base_url for s in servers]
     try:
         start_all(servers)
@@ -143,6 +146,8 @@ def main() -> None:
     ap.add_argument("--sleep-on-idle", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--py-spy", default="", help="sample the schedulers with py-spy into <prefix>-<setup>-<k>.txt")
     ap.add_argument("--py-spy-gil", action="store_true", help="py-spy samples only the thread holding the GIL")
+    ap.add_argument("--enable-metrics", action="store_true",
+                    help="servers with --enable-metrics: per request, SGLang's own L3 prefetch wait")
     ap.add_argument("--out", default="/tmp/kvt3/profile.json")
     ap.add_argument("--trace", choices=("long", "short"), default="long",
                     help="long: the long-context synthetic trace; short: bench_tiers' default synthetic shape")

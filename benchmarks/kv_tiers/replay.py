@@ -55,7 +55,9 @@ def _one(base_url: str, r: dict[str, Any], offset: int, sidx: int) -> dict[str, 
     d = meta.get("cached_tokens_details") or {}
     return {"ttft_s": ttft, "e2e_s": e2e, "input": len(ids), "cached": int(meta.get("cached_tokens", 0)),
             "l1": int(d.get("device", 0)), "l2": int(d.get("host", 0)), "l3": int(d.get("storage", 0) or 0),
-            "server": sidx}
+            "server": sidx,
+            # SGLang's own measure of the wait for an L3 prefetch (servers with --enable-metrics only)
+            "prefetch_wait_s": meta.get("storage_prefetch_wait")}
 
 
 def replay_serial(urls: list[str], trace: list[dict[str, Any]], picks: list[int], offset: int
