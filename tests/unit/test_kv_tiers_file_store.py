@@ -300,3 +300,16 @@ def test_any_payload_round_trips(tmp_path, payload: bytes) -> None:
     s.remove("p")
     assert s.put("p", payload)
     assert s.get("p") == payload
+
+
+@pytest.mark.parametrize("size", [0, 1, 4095, 4096, 4097, 32768, 100_003])
+def test_crc_in_slices_is_zlib_crc32(size: int) -> None:
+    """The store's CRC (computed in slices that keep the GIL) is CRC-32 of the whole buffer, also
+    continued across parts."""
+    import zlib
+
+    from kllm_plugins.plugins.kv_tiers.core.page_format import crc32, crc_of
+
+    data = os.urandom(size)
+    assert crc32(data) == zlib.crc32(data)
+    assert crc_of([data[: size // 3], memoryview(data[size // 3 :])]) == (size, zlib.crc32(data))
