@@ -163,12 +163,12 @@ class _Tiers:
         never = min_tokens == float("inf") or (request_tokens is not None and min_tokens > request_tokens)
         now = time.monotonic()
         with self._lock:
-            was = self._never.get(tier)
+            turned = never != bool(self._never.get(tier))  # a first answer counts only as "never"
             self._never[tier] = never
-            quiet = now - self._never_logged.get(tier, -math.inf) < _NEVER_LOG_EVERY_S
-            if not quiet and not (was is None and not never or was == never):
-                self._never_logged[tier] = now
-        if was is None and not never or was == never or self.fetch is None or quiet:
+            if not turned or now - self._never_logged.get(tier, -math.inf) < _NEVER_LOG_EVERY_S:
+                return
+            self._never_logged[tier] = now
+        if self.fetch is None:
             return
         snap = self.fetch.snapshot()
         if never:
