@@ -48,7 +48,6 @@ import struct
 import threading
 import time
 import weakref
-import zlib
 from typing import Any, Callable, List, Optional
 
 import torch
@@ -62,6 +61,7 @@ from kllm_plugins.plugins.kv_tiers.core.page_format import (
     PageError,
     PageFault,
     check_record,
+    crc_of,
     decode_header,
     digest16,
     encode_record,
@@ -216,14 +216,9 @@ class KllmMooncakeStorage(MooncakeStore):
         pointers (the same bytes Mooncake writes or has just read)."""
         ptrs, sizes = self.pool.get_page_buffer_meta(host_indices[: n * self.pool.page_size])
         per = len(ptrs) // max(1, n)
-        out = []
-        for i in range(n):
-            crc, total = 0, 0
-            for ptr, size in zip(ptrs[i * per:(i + 1) * per], sizes[i * per:(i + 1) * per]):
-                crc = zlib.crc32((ctypes.c_char * int(size)).from_address(int(ptr)), crc)
-                total += int(size)
-            out.append((total, crc))
-        return out
+        return [crc_of([(ctypes.c_char * int(size)).from_address(int(ptr))
+                        for ptr, size in zip(ptrs[i * per:(i + 1) * per], sizes[i * per:(i + 1) * per])])
+                for i in range(n)]
 
     def _check_pages(self, keys: List[str], host_indices: torch.Tensor, ok: list[bool]) -> list[bool]:
         """Refuse (and cut the prefix at) the first page that does not match its record."""

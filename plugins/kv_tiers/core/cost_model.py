@@ -182,7 +182,3 @@ class PrefillCost:
             if c * c < self.min_t * self.min_t * se2:
                 return fallback
         return PrefillParams(fixed, b * self._SN, c * self._SA)
-
-    @property
-    def warm(self) -> bool:
-        return self.linear.warm

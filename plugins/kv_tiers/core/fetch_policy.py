@@ -7,8 +7,9 @@ the instance's prefill time for `n` tokens. Both are learned online (`cost_model
 prefill model has a per-token and a per-(token, context token) term, and a decision may be given the
 request's length (`context`). A hit is fetched only when fetching is cheaper by `margin`; since the
 costs grow monotonically with `n`, that is equivalent to a minimum hit length per tier and request
-length, which is what HiCache's prefetch threshold takes. A slow tier therefore stops being used, and a tier is re-measured now and then
-(`explore_every`) so that it can come back when it gets faster.
+length, which is what HiCache's prefetch threshold takes. A slow tier therefore stops being used,
+and a tier is re-measured now and then (`explore_every`) so that it can come back when it gets
+faster.
 
 An L3 fetch costs the request more than the page reads: the request waits for its whole prefetch
 (HiCache's storage query, the reads, the hand-offs between its threads and the scheduler's next

@@ -16,8 +16,8 @@ from __future__ import annotations
 import logging
 import os
 import re
-import threading
 import itertools
+import threading
 import time
 import uuid
 from collections import OrderedDict

@@ -89,7 +89,7 @@ def crc_of(parts: list[bytes | memoryview]) -> tuple[int, int]:
     crc, n = 0, 0
     for part in parts:
         crc = crc32(part, crc)
-        n += len(memoryview(part).cast("B"))
+        n += memoryview(part).nbytes
     return n, crc
 
 
