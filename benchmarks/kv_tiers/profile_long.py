@@ -131,7 +131,10 @@ def profile(setup: str, trace: list[dict[str, Any]], args: argparse.Namespace) -
     finally:
         for s in servers:
             s.stop()
-        pages = sum(1 for _, _, files in os.walk(store) for f in files if not f.startswith("."))
+        pages = 0
+        for _, dirs, files in os.walk(store):
+            dirs[:] = [d for d in dirs if not d.startswith(".")]  # not the offer markers under .seen/
+            pages += sum(1 for f in files if not f.startswith("."))
         print(f"{setup}: {pages} pages in the L3 folder", flush=True)
         shutil.rmtree(store, ignore_errors=True)
 
