@@ -153,3 +153,23 @@ def assert_loads_from_l3(server: Any, prompt: list[int], ref: list[int], pages: 
     assert out["meta_info"]["cached_tokens"] >= pages * page_size, out["meta_info"]
     snap = wait_stats(server, lambda s: s["store"]["hits"] >= pages, timeout_s)
     assert snap["store"]["hits"] >= pages and not snap["store"]["faults"], snap
+
+
+def mha_host_pool(layout: str, pages: int, layers: int = 4, page_size: int = 16, heads: int = 2,
+                  head_dim: int = 8, dtype: Any = None, seed: int = 0) -> Any:
+    """SGLang's `MHATokenToKVPoolHost` with its page methods (get_data_page, set_from_flat_data_page,
+    get_dummy_flat_data_page) as shipped, over a random host buffer in `layout` (layer_first,
+    page_first, page_first_direct), built without a device pool: only what those methods read is set."""
+    import torch
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+    pool = object.__new__(MHATokenToKVPoolHost)
+    pool.layout, pool.page_size, pool.layer_num, pool.head_num, pool.head_dim = layout, page_size, layers, heads, head_dim
+    pool.size, pool.page_num, pool.device, pool.pin_memory = pages * page_size, pages, "cpu", False
+    pool.dtype = dtype or torch.bfloat16
+    shape = {"layer_first": (2, layers, pages * page_size, heads, head_dim),
+             "page_first": (2, pages * page_size, layers, heads, head_dim),
+             "page_first_direct": (2, pages, layers, page_size, heads, head_dim)}[layout]
+    g = torch.Generator().manual_seed(seed)
+    pool.kv_buffer = torch.randn(shape, generator=g).to(pool.dtype)
+    return pool

@@ -107,7 +107,7 @@ class SGLangServer:
                 self._start_once()
                 return
             except ServerStartError:
-                if attempt == self.port_retries or not self.grep_log("Address already in use"):
+                if attempt == self.port_retries or not self._bind_failed():
                     raise
                 self.stop()
                 self._repick_ports()
@@ -136,6 +136,10 @@ class SGLangServer:
                 raise ServerStartError(
                     f"sglang.launch_server exited with {self.proc.returncode}:\n{self.log_tail(40)}"
                 )
+            # uvicorn that cannot bind logs it and lingers in its shutdown; and what holds the port
+            # may be a non-HTTP listener (another server's scheduler socket) that never answers
+            if self._bind_failed():
+                raise ServerStartError(f"HTTP port {self.port} taken:\n{self.log_tail(10)}")
             try:
                 with urllib.request.urlopen(f"{self.base_url}/health", timeout=2) as r:
                     if r.status == 200:
@@ -173,6 +177,9 @@ class SGLangServer:
 
     def log_tail(self, n: int = 20) -> str:
         return "\n".join(self.log_text().splitlines()[-n:])
+
+    def _bind_failed(self) -> bool:
+        return bool(self.grep_log(r"(?i)address already in use"))
 
     def grep_log(self, pattern: str) -> list[str]:
         rx = re.compile(pattern)

@@ -33,6 +33,7 @@ from kllm_plugins.plugins.kv_tiers.core.cost_model import CostPrior
 from kllm_plugins.plugins.kv_tiers.core.fetch_policy import FetchOrRecompute
 from kllm_plugins.plugins.kv_tiers.core.file_store import FilePageStore, StoreStats
 from kllm_plugins.plugins.kv_tiers.core.held_pages import HeldPages
+from kllm_plugins.plugins.kv_tiers.core.host_pages import PageBlocks
 from kllm_plugins.plugins.kv_tiers.core.persistence import BusyMeter, PersistencePolicy
 from kllm_plugins.plugins.kv_tiers.core.prefetch_gate import PrefetchGate
 from kllm_plugins.plugins.kv_tiers.core.tier_events import TierEventLog
@@ -282,6 +283,12 @@ class KllmFileStorage(HiCacheStorage):
         self.store: FilePageStore | None = None
         self.page_nbytes: int | None = None
         self.mem_pool_host: Any = None
+        self.pages: PageBlocks | None = None  # the host pool's pages in place (zero-copy reads and writes)
+        # HiCache calls the zero-copy interface (batch_get_v1 / batch_set_v1: pages read into and
+        # written from the host pool in place) of a dynamic backend whose extra config says so; it
+        # reads the flag from this config after constructing the backend. On unless set to 0.
+        if storage_config.extra_config is not None and "interface_v1" not in storage_config.extra_config:
+            storage_config.extra_config["interface_v1"] = 1
 
     # The namespace needs the host pool's dtype and page shape, so the store opens here.
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -306,8 +313,10 @@ class KllmFileStorage(HiCacheStorage):
         t.store = self.store
         t.probe = self.store.exists
         t.ensure_fetch_policy(self.page_nbytes // max(1, page_size))
-        logger.info("kv_tiers L3 file store at %s (namespace %s, capacity %.1f GiB, %d pages adopted)",
-                    self.store.folder, namespace, self.capacity_bytes / (1 << 30), len(self.store))
+        self.pages = _page_blocks(mem_pool_host, self.page_nbytes)
+        logger.info("kv_tiers L3 file store at %s (namespace %s, capacity %.1f GiB, %d pages adopted; "
+                    "pages moved %s)", self.store.folder, namespace, self.capacity_bytes / (1 << 30),
+                    len(self.store), "in place" if self.pages is not None else "through a staging copy")
 
     def _on_transfer(self, direction: str, nbytes: int, seconds: float) -> None:
         if direction == "read" and self.t.fetch is not None:
@@ -374,6 +383,64 @@ class KllmFileStorage(HiCacheStorage):
         self._fault_metrics(before)
         return out
 
+    def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info: Any = None) -> List[bool]:
+        """HiCache's zero-copy read: pages straight into the host pool at `host_indices` (one
+        `page_size` run per key); a prefix ends at its first missing page."""
+        t0 = time.perf_counter()
+        try:
+            return self._batch_get_v1(keys, host_indices)
+        finally:
+            self.t.spent("read", time.perf_counter() - t0)
+
+    def _batch_get_v1(self, keys: List[str], host_indices: torch.Tensor) -> List[bool]:
+        out = [False] * len(keys)
+        if self.store is None or self.mem_pool_host is None:
+            return out
+        starts = self._page_starts(host_indices, len(keys))
+        before = dict(self.store.stats.faults)
+        hits = 0
+        for i, key in enumerate(keys):
+            if not self._read_page(key, starts[i]):
+                self.t._m_pages.labels("miss").inc()
+                break
+            out[i] = True
+            hits += 1
+        if hits:
+            self.t._m_pages.labels("hit").inc(hits)
+        self._fault_metrics(before)
+        return out
+
+    def _page_starts(self, host_indices: torch.Tensor, n: int) -> list[int]:
+        page_size = int(getattr(self.mem_pool_host, "page_size", 1))
+        return [int(x) for x in host_indices[: n * page_size : page_size].tolist()]
+
+    def _read_page(self, key: str, index: int) -> bool:
+        assert self.store is not None
+        if self.pages is not None:
+            return self.store.get_into(key, self.pages.blocks(index))
+        page = self.mem_pool_host.get_dummy_flat_data_page()
+        if not self.store.get_into(key, memoryview(page.view(torch.uint8).numpy()).cast("B")):
+            return False
+        self.mem_pool_host.set_from_flat_data_page(index, page)
+        return True
+
+    def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info: Any = None) -> List[bool]:
+        """HiCache's zero-copy write: pages written from the host pool in place."""
+        if self.store is None or self.mem_pool_host is None:
+            return [False] * len(keys)
+        t0 = time.perf_counter()
+        try:
+            starts = self._page_starts(host_indices, len(keys))
+            if self.pages is not None:
+                pages = self.pages
+                ok = self._batch_set(list(keys), lambda i: pages.blocks(starts[i]))
+            else:
+                pool = self.mem_pool_host
+                ok = self._batch_set(list(keys), lambda i: [_byte_view(pool.get_data_page(starts[i]))])
+            return [ok] * len(keys)
+        finally:
+            self.t.spent("write", time.perf_counter() - t0)
+
     # -- writes --------------------------------------------------------------------------
 
     def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
@@ -386,11 +453,12 @@ class KllmFileStorage(HiCacheStorage):
             return False
         t0 = time.perf_counter()
         try:
-            return self._batch_set(list(keys), values)
+            return self._batch_set(list(keys), lambda i: [_byte_view(values[i])])
         finally:
             self.t.spent("write", time.perf_counter() - t0)
 
-    def _batch_set(self, keys: list[str], values: Any) -> bool:
+    def _batch_set(self, keys: list[str], page: Callable[[int], list[memoryview]]) -> bool:
+        """Write the admitted leading pages; `page(i)` gives key i's bytes (its blocks in order)."""
         assert self.store is not None
         fill = self.store.used_bytes / self.store.capacity_bytes
         busy = self.t.write_busy.fraction()
@@ -410,13 +478,12 @@ class KllmFileStorage(HiCacheStorage):
             self.t.count("pages_skipped", skipped)
             self.t._m_pages.labels("skipped").inc(skipped)
             if dormant and self.t.held.max_bytes:
-                for key, value in zip(keys[adm.admitted:], values[adm.admitted:]):
-                    self.t.held.hold(key, memoryview(value.contiguous().view(torch.uint8).numpy()).cast("B"))
+                for i in range(adm.admitted, len(keys)):
+                    self.t.held.hold(keys[i], b"".join(page(i)))  # a copy: the pool's page is reused
         before = dict(self.store.stats.faults)
         ok = True
-        for key, value in zip(keys[: adm.admitted], values[: adm.admitted]):
-            data = value.contiguous().view(torch.uint8).numpy()
-            if not self.store.put(key, memoryview(data).cast("B")):
+        for i, key in enumerate(keys[: adm.admitted]):
+            if not self.store.put(key, page(i)):
                 ok = False
                 break
             self.t.count("pages_admitted")
@@ -449,6 +516,28 @@ class KllmFileStorage(HiCacheStorage):
 
 
 # -- hooks -----------------------------------------------------------------------------------
+
+
+def _byte_view(t: torch.Tensor) -> memoryview:
+    return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
+
+
+def _page_blocks(pool: Any, page_nbytes: int) -> PageBlocks | None:
+    """The host pool's pages as in-place byte blocks, if its page views are views of one contiguous
+    CPU buffer whose C order is the flat page's (MHA and MLA pools, every layout); else None
+    (pages then go through a staging copy, as HiCache's generic path moves them)."""
+    buffer = getattr(pool, "kv_buffer", None)
+    if not isinstance(buffer, torch.Tensor) or not hasattr(pool, "get_data_page"):
+        return None
+    try:
+        pages = PageBlocks(buffer, lambda i: pool.get_data_page(i, flat=False),
+                           page_size=int(getattr(pool, "page_size", 0) or 0), tokens=int(getattr(pool, "size", 0) or 0))
+        if pages.nbytes(0) != page_nbytes:
+            return None
+        return pages
+    except Exception as exc:  # an unknown pool: the staging path is always right
+        logger.info("kv_tiers: host pool pages not addressable in place (%s); using a staging copy", exc)
+        return None
 
 
 def _inflight(cache: Any) -> tuple[int, int]:

@@ -13,7 +13,7 @@ What it adds to the stock backend:
 - fetch or recompute: L3 reads are timed and feed the shared cost model, whose break-even length
   the prefetch hook turns into HiCache's prefetch threshold (as for the file store);
 - checked pages: each page gets a small record (`page_format.encode_record`: namespace, key,
-  length, CRC-32) written after its K and V objects; a page whose record is missing, foreign
+  length, CRC-32C) written after its K and V objects; a page whose record is missing, foreign
   (another model, layout, dtype or page shape) or does not match what was read is refused;
 - faults never reach serving: a master unreachable at start or lost mid-run, a full store, a
   failed transfer are misses or refused writes, counted by reason
@@ -212,7 +212,7 @@ class KllmMooncakeStorage(MooncakeStore):
         return [f"{k}_{self.mha_suffix}_kllm" for k in self._tag_keys(keys)]
 
     def _page_crcs(self, host_indices: torch.Tensor, n: int) -> list[tuple[int, int]]:
-        """(length, CRC-32) of each page's bytes in the host pool, read through its zero-copy
+        """(length, CRC-32C) of each page's bytes in the host pool, read through its zero-copy
         pointers (the same bytes Mooncake writes or has just read)."""
         ptrs, sizes = self.pool.get_page_buffer_meta(host_indices[: n * self.pool.page_size])
         per = len(ptrs) // max(1, n)

@@ -38,7 +38,7 @@ def _config(model: str = "tiny-llama", extra: dict[str, Any] | None = None) -> A
 def backend_factory(tmp_path, monkeypatch):
     from kllm_plugins.plugins.kv_tiers import sglang_adapter
 
-    def make(model: str = "tiny-llama", **extra: Any) -> Any:
+    def make(model: str = "tiny-llama", pool: Any = None, **extra: Any) -> Any:
         monkeypatch.setattr(sglang_adapter, "_tiers", None)  # fresh per-process state
         cfg = {"backend_name": "kllm_file", "module_path": sglang_adapter.__name__,
                "class_name": "KllmFileStorage", "store_dir": str(tmp_path),
@@ -46,7 +46,7 @@ def backend_factory(tmp_path, monkeypatch):
                # the store has room) has its own test
                "write_all_below_pressure": False, **extra}
         b = sglang_adapter.KllmFileStorage(_config(model, cfg), {})
-        b.register_mem_pool_host(_HostPool())
+        b.register_mem_pool_host(pool if pool is not None else _HostPool())
         return b
 
     return make
@@ -592,3 +592,76 @@ def test_lookup_that_extends_a_cached_prefix_marks_continuations(backend_factory
     assert b.batch_set(turn1, _pages(2, 1)) and b.batch_exists(turn1) == 0  # one-off so far: skipped
     assert b.batch_exists(turn2, HiCacheStorageExtraInfo(prefix_keys=turn1)) == 0  # next turn of a cached prefix
     assert b.batch_set(turn2, _pages(2, 2)) and b.batch_exists(turn2) == 2  # written at first sighting
+
+
+# -- zero-copy interface (batch_get_v1 / batch_set_v1) on SGLang's own MHA host pool page methods --
+
+
+def _mha_pool(layout: str, pages: int = 8, seed: int = 0) -> Any:
+    from kllm_plugins.testing.kv_tiers import mha_host_pool
+
+    return mha_host_pool(layout, pages, seed=seed)
+
+
+def _host_indices(pages: list[int], ps: int = 16) -> torch.Tensor:
+    return torch.cat([torch.arange(p * ps, (p + 1) * ps) for p in pages])
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_zero_copy_pages_round_trip_through_the_host_pool_in_place(backend_factory, layout) -> None:
+    pool = _mha_pool(layout)
+    b = backend_factory(pool=pool, min_reuse=1)
+    assert b.pages is not None  # the pool's pages are addressed in place
+    assert b.storage_config.extra_config["interface_v1"] == 1  # HiCache will call batch_*_v1
+    keys = _keys(3, "z" + layout)
+    src = [2, 5, 6]
+    want = [pool.get_data_page(p * 16).clone() for p in src]  # SGLang's flat page
+    assert b.batch_set_v1(keys, _host_indices(src)) == [True] * 3
+    # the bytes stored are SGLang's flat page: the generic path reads them back unchanged
+    dst = [pool.get_dummy_flat_data_page() for _ in keys]
+    assert all(g is not None for g in b.batch_get(keys, dst))
+    for d, w in zip(dst, want):
+        assert torch.equal(d, w)
+    # zero-copy read into other pages of the pool, which change there and nowhere else
+    before = pool.kv_buffer.clone()
+    dst_pages = [7, 0, 3]
+    assert b.batch_get_v1(keys, _host_indices(dst_pages)) == [True] * 3
+    for p, w in zip(dst_pages, want):
+        assert torch.equal(pool.get_data_page(p * 16), w)
+    for p in (1, 2, 4, 5, 6):
+        assert torch.equal(pool.get_data_page(p * 16), before[tuple(_page_index(layout, p))].flatten())
+
+
+def _page_index(layout: str, p: int) -> list[Any]:
+    s = slice(p * 16, (p + 1) * 16)
+    return {"layer_first": [slice(None), slice(None), s], "page_first": [slice(None), s],
+            "page_first_direct": [slice(None), slice(p, p + 1)]}[layout]
+
+
+def test_zero_copy_read_stops_at_a_corrupt_page_and_the_staging_fallback_gives_the_same_bytes(backend_factory) -> None:
+    pool = _mha_pool("layer_first", seed=3)
+    b = backend_factory(pool=pool, min_reuse=1)
+    keys = _keys(3, "zc")
+    want = [pool.get_data_page(p * 16).clone() for p in (0, 1, 2)]
+    # written through the staging path (no in-place pages), read in place: same bytes
+    pages, b.pages = b.pages, None
+    assert b.batch_set_v1(keys, _host_indices([0, 1, 2])) == [True] * 3
+    b.pages = pages
+    assert b.batch_get_v1(keys, _host_indices([4, 5, 6])) == [True] * 3
+    assert all(torch.equal(pool.get_data_page(p * 16), w) for p, w in zip((4, 5, 6), want))
+    path = b.store.path_of(keys[1])
+    raw = bytearray(open(path, "rb").read())
+    raw[-5] ^= 0x10
+    open(path, "wb").write(bytes(raw))
+    assert b.batch_get_v1(keys, _host_indices([7, 3, 2])) == [True, False, False]
+    assert b.store.stats.faults["corrupt"] == 1
+    # the staging read path refuses the same way
+    b.pages = None
+    assert b.batch_get_v1(keys, _host_indices([7, 3, 2])) == [True, False, False]
+    assert torch.equal(pool.get_data_page(7 * 16), want[0])
+
+
+def test_interface_v1_left_off_when_the_config_says_0(backend_factory) -> None:
+    b = backend_factory(interface_v1=0)
+    assert b.storage_config.extra_config["interface_v1"] == 0
+    assert b.pages is None  # the stand-in pool has no buffer: pages would go through a staging copy

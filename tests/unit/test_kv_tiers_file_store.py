@@ -17,6 +17,29 @@ def _store(tmp_path, capacity: int = 10_000, namespace: str = "model-a|layer_fir
     return FilePageStore(str(tmp_path), namespace, capacity, **kw)
 
 
+@pytest.mark.parametrize("iov_max", [1024, 3])
+def test_a_page_in_blocks_is_stored_as_one_page_and_read_back_into_blocks(tmp_path, monkeypatch, iov_max) -> None:
+    from kllm_plugins.plugins.kv_tiers.core import file_store
+
+    monkeypatch.setattr(file_store, "_IOV_MAX", iov_max)  # 3: more blocks than one readv/writev takes
+    s = _store(tmp_path)
+    blocks = [bytes([i]) * (5 + i) for i in range(4)]
+    assert s.put("k", [memoryview(b) for b in blocks])
+    assert s.get("k") == b"".join(blocks)  # one page, whichever way it was written
+    assert s.used_bytes == HEADER_SIZE + sum(map(len, blocks))
+    out = [bytearray(len(b)) for b in blocks]
+    assert s.get_into("k", [memoryview(o) for o in out])
+    assert [bytes(o) for o in out] == blocks
+    # blocks of the wrong total size, or a damaged payload, are refused
+    assert not s.get_into("k", [memoryview(bytearray(5)), memoryview(bytearray(6))])
+    assert s.put("k2", b"".join(blocks))
+    raw = bytearray(open(s.path_of("k2"), "rb").read())
+    raw[HEADER_SIZE + 7] ^= 1
+    open(s.path_of("k2"), "wb").write(bytes(raw))
+    assert not s.get_into("k2", [memoryview(bytearray(len(b))) for b in blocks])
+    assert s.stats.faults.get("corrupt") == 1
+
+
 def test_put_get_round_trip_and_get_into(tmp_path) -> None:
     s = _store(tmp_path)
     assert s.get("k1") is None
@@ -303,13 +326,21 @@ def test_any_payload_round_trips(tmp_path, payload: bytes) -> None:
 
 
 @pytest.mark.parametrize("size", [0, 1, 4095, 4096, 4097, 32768, 100_003])
-def test_crc_in_slices_is_zlib_crc32(size: int) -> None:
-    """The store's CRC (computed in slices that keep the GIL) is CRC-32 of the whole buffer, also
-    continued across parts."""
-    import zlib
+def test_payload_checksum_is_crc32c_also_continued_across_parts(size: int) -> None:
+    """The page checksum is CRC-32C (checked against a bitwise reference on small sizes), and the
+    CRC of a page in several parts is that of their concatenation."""
+    from kllm_plugins.plugins.kv_tiers.core.page_format import crc32c, crc_of
 
-    from kllm_plugins.plugins.kv_tiers.core.page_format import crc32, crc_of
+    def reference(data: bytes) -> int:  # CRC-32C, reflected polynomial 0x82F63B78
+        crc = 0xFFFFFFFF
+        for b in data:
+            crc ^= b
+            for _ in range(8):
+                crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+        return crc ^ 0xFFFFFFFF
 
     data = os.urandom(size)
-    assert crc32(data) == zlib.crc32(data)
-    assert crc_of([data[: size // 3], memoryview(data[size // 3 :])]) == (size, zlib.crc32(data))
+    assert crc32c(b"123456789") == 0xE3069283  # the standard check value
+    if size <= 4097:
+        assert crc32c(data) == reference(data)
+    assert crc_of([data[: size // 3], memoryview(data[size // 3 :])]) == (size, crc32c(data))

@@ -26,16 +26,20 @@ from typing import Callable
 
 from kllm_plugins.plugins.kv_tiers.core.page_format import (
     HEADER_SIZE,
+    VERSION,
     PageError,
     PageFault,
     check_page,
     decode_header,
     digest16,
     encode_header,
+    payload_parts,
 )
 
 logger = logging.getLogger("kllm.kv_tiers")
 
+# most buffers one readv / writev takes (a page in more blocks goes through one flat buffer)
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
 _SAFE_KEY = re.compile(r"^[A-Za-z0-9_.-]{1,160}$")
 SUFFIX = ".kvp"
 
@@ -98,7 +102,8 @@ class FilePageStore:
         self.root = root
         self.namespace = namespace
         self.ns_digest = digest16(namespace)
-        self.folder = os.path.join(root, self.ns_digest.hex()[:16])
+        # one folder per namespace and page format version: pages of an older format are not met
+        self.folder = os.path.join(root, self.ns_digest.hex()[:16] + (f"-v{VERSION}" if VERSION > 1 else ""))
         self.capacity_bytes = capacity_bytes
         self.fsync = fsync
         self.shared = shared
@@ -215,9 +220,12 @@ class FilePageStore:
                 return i
         return len(keys)
 
-    def put(self, key: str, payload: bytes | memoryview) -> bool:
-        """Store a page; True when the page is (now or already) in the store."""
-        size = HEADER_SIZE + len(payload)
+    def put(self, key: str, payload: bytes | memoryview | list[memoryview]) -> bool:
+        """Store a page (one buffer, or its blocks in order); True when the page is (now or already)
+        in the store."""
+        parts = payload_parts(payload)
+        nbytes = sum(p.nbytes for p in parts)
+        size = HEADER_SIZE + nbytes
         with self._lock:
             if key in self._index:
                 self._index.move_to_end(key)
@@ -242,7 +250,7 @@ class FilePageStore:
         ok = False
         t0 = time.perf_counter()
         try:
-            ok = self._write(key, payload)
+            ok = self._write(key, parts)
         finally:
             with self._lock:
                 self._reserved -= size
@@ -251,12 +259,12 @@ class FilePageStore:
                     self._index[key] = size
                     self._used += size
                     self.stats.puts += 1
-                    self.stats.put_bytes += len(payload)
+                    self.stats.put_bytes += nbytes
                 else:
                     self.stats.put_refused += 1
         if ok:
             if self.on_transfer is not None:
-                self.on_transfer("write", len(payload), time.perf_counter() - t0)
+                self.on_transfer("write", nbytes, time.perf_counter() - t0)
             if self.on_store is not None:
                 self.on_store(key)
         return ok
@@ -280,8 +288,11 @@ class FilePageStore:
         self._unlink_victims(victims)
         return True
 
-    def _write(self, key: str, payload: bytes | memoryview) -> bool:
-        header = encode_header(self.ns_digest, key, payload)
+    def _write(self, key: str, parts: list[memoryview]) -> bool:
+        header = encode_header(self.ns_digest, key, parts)
+        if len(parts) + 1 > _IOV_MAX:
+            parts = [memoryview(b"".join(parts))]
+        total = len(header) + sum(p.nbytes for p in parts)
         # unique across the processes and threads sharing the folder, without a random read per page
         tmp = os.path.join(self.folder, f".tmp-{self._tmp_prefix}-{threading.get_ident():x}-{next(self._tmp_seq)}")
         for attempt in (0, 1):
@@ -290,13 +301,13 @@ class FilePageStore:
                 # thread then has to hand back (open, one gathered write, close, rename)
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 try:
-                    n = os.writev(fd, [header, payload])
+                    n = os.writev(fd, [header, *parts])
                     if self.fsync:
                         os.fsync(fd)
                 finally:
                     os.close(fd)
-                if n != len(header) + len(payload):
-                    raise OSError(f"short write: {n} of {len(header) + len(payload)} bytes")
+                if n != total:
+                    raise OSError(f"short write: {n} of {total} bytes")
                 os.replace(tmp, self.path_of(key))
                 return True
             except FileNotFoundError:
@@ -336,31 +347,40 @@ class FilePageStore:
         self._served(key, header.payload_len, time.perf_counter() - t0)
         return bytes(payload)
 
-    def get_into(self, key: str, out: memoryview) -> bool:
-        """Read the page into `out` (its exact size). False (a miss) when absent or refused;
-        `out` may then hold partial data and must not be used."""
+    def get_into(self, key: str, out: memoryview | list[memoryview]) -> bool:
+        """Read the page into `out` (its exact size; or its blocks in order, as a host pool holds
+        them). False (a miss) when absent or refused; `out` may then hold partial data and must not
+        be used."""
         t0 = time.perf_counter()
         self.stats.gets += 1
+        parts = payload_parts(out)
+        want = sum(p.nbytes for p in parts)
         head, spill = bytearray(HEADER_SIZE), bytearray(1)
+        flat = bytearray(want) if len(parts) + 2 > _IOV_MAX else None
         try:
             # one read for header, payload and a byte past it (a longer file is not this page)
             fd = os.open(self.path_of(key), os.O_RDONLY)
             try:
-                n = os.readv(fd, [head, out, spill])
+                n = os.readv(fd, [head, *([flat] if flat is not None else parts), spill])
             finally:
                 os.close(fd)
             header = decode_header(memoryview(head)[: max(0, min(n, HEADER_SIZE))])
-            if header.payload_len == len(out):
+            if header.payload_len == want:
                 got = n - HEADER_SIZE
-                if got < len(out):
-                    raise PageError(PageFault.TRUNCATED, f"payload has {got} of {len(out)} bytes")
-                if got > len(out):
+                if got < want:
+                    raise PageError(PageFault.TRUNCATED, f"payload has {got} of {want} bytes")
+                if got > want:
                     raise PageError(PageFault.CORRUPT, "trailing bytes")
-            check_page(header, self.ns_digest, key, out, len(out))
+            check_page(header, self.ns_digest, key, [memoryview(flat)] if flat is not None else parts, want)
+            if flat is not None:
+                at = 0
+                for p in parts:
+                    p[:] = flat[at : at + p.nbytes]
+                    at += p.nbytes
         except (PageError, OSError) as exc:
             self._refused(key, exc)
             return False
-        self._served(key, len(out), time.perf_counter() - t0)
+        self._served(key, want, time.perf_counter() - t0)
         return True
 
     def remove(self, key: str) -> None:

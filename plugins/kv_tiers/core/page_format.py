@@ -5,12 +5,12 @@ what a reader needs to refuse a page instead of serving it:
 
     offset size field
     0      8    magic b"KLLMKVP1"
-    8      2    format version (1)
+    8      2    format version (2: CRC-32C payloads; the store keeps each version in its own folder, and a page of another version met anyway is refused as foreign)
     10     2    flags (0)
     12     16   namespace digest: blake2b-128 of the store namespace (model, layout, rank, dtype)
     28     16   key digest: blake2b-128 of the page key the file was written for
     44     8    payload length in bytes
-    52     4    CRC-32 of the payload
+    52     4    CRC-32C (Castagnoli) of the payload
     56     4    CRC-32 of bytes 0..55 (the header itself)
     60     4    zero padding
 
@@ -26,8 +26,10 @@ import zlib
 from dataclasses import dataclass
 from enum import Enum
 
+import crc32c as _crc32c
+
 MAGIC = b"KLLMKVP1"
-VERSION = 1
+VERSION = 2
 HEADER_SIZE = 64
 _STRUCT = struct.Struct("<8sHH16s16sQI")  # 56 bytes, followed by header CRC and padding
 _TAIL = struct.Struct("<I4x")
@@ -65,36 +67,37 @@ class PageHeader:
     payload_crc: int
 
 
-def encode_header(namespace_digest: bytes, key: str, payload: bytes | memoryview) -> bytes:
-    return encode_record(namespace_digest, key, *crc_of([payload]))
+def payload_parts(payload: bytes | memoryview | list[bytes | memoryview]) -> list[memoryview]:
+    """A page's bytes as flat byte views: one buffer, or several whose concatenation is the page (a
+    page read into or written from a host pool in place, where it lies in several strided blocks)."""
+    parts = payload if isinstance(payload, list) else [payload]
+    return [p if isinstance(p, memoryview) and p.format == "B" and p.ndim == 1 else memoryview(p).cast("B")
+            for p in parts]
 
 
-# zlib.crc32 releases the GIL for inputs above 5 KiB; a storage thread that does so once per page
-# must then wait for the scheduler's thread to hand it back (while a request waits for its prefetch
-# that thread spins, yielding once per loop). Slices below that size keep the GIL through the CRC:
-# one GIL round trip fewer per page read or written, for a few microseconds of holding it.
-_CRC_SLICE = 4096
+def encode_header(namespace_digest: bytes, key: str, payload: bytes | memoryview | list[bytes | memoryview]) -> bytes:
+    return encode_record(namespace_digest, key, *crc_of(payload_parts(payload)))
 
 
-def crc32(data: bytes | memoryview, crc: int = 0) -> int:
-    """CRC-32 of `data` (continuing `crc`), computed without releasing the GIL."""
-    view = memoryview(data).cast("B")
-    for i in range(0, len(view), _CRC_SLICE):
-        crc = zlib.crc32(view[i : i + _CRC_SLICE], crc)
-    return crc
+def crc32c(data: bytes | memoryview, crc: int = 0) -> int:
+    """CRC-32C of `data` (continuing `crc`). The `crc32c` package computes it with the CPU's CRC
+    instruction (2.4 us per 32 KiB page against 16 us for zlib's CRC-32 on this project's CPU
+    machine) and, with `gil_release_mode=0`, without releasing the GIL: a storage thread that
+    released it once per page would then wait for the scheduler's thread to hand it back."""
+    return _crc32c.crc32c(data, crc, 0)  # positional (gil_release_mode 0): a keyword costs ~0.4 us a call
 
 
 def crc_of(parts: list[bytes | memoryview]) -> tuple[int, int]:
-    """(total length, CRC-32) of the concatenation of `parts` (a page held in several buffers)."""
+    """(total length, CRC-32C) of the concatenation of `parts` (a page held in several buffers)."""
     crc, n = 0, 0
     for part in parts:
-        crc = crc32(part, crc)
-        n += memoryview(part).nbytes
+        crc = crc32c(part, crc)
+        n += part.nbytes if isinstance(part, memoryview) else memoryview(part).nbytes
     return n, crc
 
 
 def encode_record(namespace_digest: bytes, key: str, length: int, crc: int) -> bytes:
-    """A header for a payload of `length` bytes with CRC-32 `crc`, stored apart from the payload
+    """A header for a payload of `length` bytes with CRC-32C `crc`, stored apart from the payload
     (the Mooncake store keeps it as a small object next to the page's K and V objects)."""
     head = _STRUCT.pack(MAGIC, VERSION, 0, namespace_digest, digest16(key), length, crc)
     return head + _TAIL.pack(zlib.crc32(head))
@@ -117,23 +120,32 @@ def decode_header(raw: bytes | memoryview) -> PageHeader:
     return PageHeader(ns, kd, length, pcrc)
 
 
-def check_page(header: PageHeader, namespace_digest: bytes, key: str, payload: bytes | memoryview,
-               expected_len: int | None = None) -> None:
-    """Raise PageError unless `payload` is the intact page written for `key` in this namespace."""
+def check_page(header: PageHeader, namespace_digest: bytes, key: str,
+               payload: bytes | memoryview | list[bytes | memoryview], expected_len: int | None = None) -> None:
+    """Raise PageError unless `payload` (one buffer or the page's parts in order) is the intact page
+    written for `key` in this namespace."""
     if header.namespace_digest != namespace_digest:
         raise PageError(PageFault.FOREIGN, "namespace differs")
     if header.key_digest != digest16(key):
         raise PageError(PageFault.MISPLACED, "key digest differs")
     if expected_len is not None and header.payload_len != expected_len:
         raise PageError(PageFault.SIZE_MISMATCH, f"page has {header.payload_len} bytes, reader wants {expected_len}")
-    if len(payload) < header.payload_len:
-        raise PageError(PageFault.TRUNCATED, f"payload has {len(payload)} of {header.payload_len} bytes")
-    if crc32(memoryview(payload).cast("B")[: header.payload_len]) != header.payload_crc:
+    parts = payload_parts(payload)
+    have = sum(p.nbytes for p in parts)
+    if have < header.payload_len:
+        raise PageError(PageFault.TRUNCATED, f"payload has {have} of {header.payload_len} bytes")
+    crc, left = 0, header.payload_len
+    for part in parts:
+        if left <= 0:
+            break
+        crc = crc32c(part if part.nbytes <= left else part[:left], crc)
+        left -= part.nbytes
+    if crc != header.payload_crc:
         raise PageError(PageFault.CORRUPT, "payload checksum")
 
 
 def check_record(header: PageHeader, namespace_digest: bytes, key: str, length: int, crc: int) -> None:
-    """Raise PageError unless a payload of `length` bytes with CRC-32 `crc` is the page that the
+    """Raise PageError unless a payload of `length` bytes with CRC-32C `crc` is the page that the
     separately stored `header` describes (see `encode_record`)."""
     if header.namespace_digest != namespace_digest:
         raise PageError(PageFault.FOREIGN, "namespace differs")
