@@ -66,9 +66,11 @@ def cpu_split(pid: int, before: dict[int, float], after: dict[int, float]) -> tu
 
 def profile(setup: str, trace: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
     store = tempfile.mkdtemp(prefix=f"kvt-prof-{setup}-")
-    # "hicache+prefix_keys": stock with HiCache passing prefix keys to the backend, as kv_tiers' setup does
+    # "hicache+prefix_keys": stock with HiCache passing prefix keys to the backend, as kv_tiers' setup does;
+    # "kv_tiers+staged": the plugin on HiCache's generic page path (a staging copy per page, as stock's)
     name, _, extra = setup.partition("+")
-    l3_extra = {"hicache_storage_pass_prefix_keys": True} if extra == "prefix_keys" else {}
+    l3_extra = {"prefix_keys": {"hicache_storage_pass_prefix_keys": True},
+                "staged": {"interface_v1": 0}}.get(extra, {})
     servers, plugins = setup_servers(name, store, None, "", args.l1_tokens, args.server_threads, **l3_extra)
     if not args.sleep_on_idle:
         for s in servers:
