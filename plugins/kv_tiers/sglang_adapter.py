@@ -367,21 +367,33 @@ class KllmFileStorage(HiCacheStorage):
         out: list[torch.Tensor | None] = [None] * len(keys)
         if self.store is None or target_locations is None:
             return out
+        store = self.store
+
+        def read(i: int, key: str) -> bool:
+            target = target_locations[i]
+            if target is None or not store.get_into(key, memoryview(target.view(torch.uint8).numpy()).cast("B")):
+                return False
+            out[i] = target
+            return True
+
+        self._read_prefix(keys, read)
+        return out
+
+    def _read_prefix(self, keys: List[str], read: Callable[[int, str], bool]) -> int:
+        """Read pages in order with `read(i, key)` until the first that is missing (a prefix ends
+        there); count hits, the miss and the store's faults; return the number read."""
+        assert self.store is not None
         before = dict(self.store.stats.faults)
         hits = 0
         for i, key in enumerate(keys):
-            target = target_locations[i]
-            if target is None:
-                break
-            if not self.store.get_into(key, memoryview(target.view(torch.uint8).numpy()).cast("B")):
+            if not read(i, key):
                 self.t._m_pages.labels("miss").inc()
-                break  # a prefix ends at its first missing page
-            out[i] = target
+                break
             hits += 1
         if hits:
             self.t._m_pages.labels("hit").inc(hits)
         self._fault_metrics(before)
-        return out
+        return hits
 
     def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info: Any = None) -> List[bool]:
         """HiCache's zero-copy read: pages straight into the host pool at `host_indices` (one
@@ -397,18 +409,8 @@ class KllmFileStorage(HiCacheStorage):
         if self.store is None or self.mem_pool_host is None:
             return out
         starts = self._page_starts(host_indices, len(keys))
-        before = dict(self.store.stats.faults)
-        hits = 0
-        for i, key in enumerate(keys):
-            if not self._read_page(key, starts[i]):
-                self.t._m_pages.labels("miss").inc()
-                break
-            out[i] = True
-            hits += 1
-        if hits:
-            self.t._m_pages.labels("hit").inc(hits)
-        self._fault_metrics(before)
-        return out
+        hits = self._read_prefix(keys, lambda i, key: self._read_page(key, starts[i]))
+        return [True] * hits + [False] * (len(keys) - hits)
 
     def _page_starts(self, host_indices: torch.Tensor, n: int) -> list[int]:
         page_size = int(getattr(self.mem_pool_host, "page_size", 1))
