@@ -23,6 +23,25 @@ def ideal_hit_rate(trace: list[dict[str, Any]], block: int = 16) -> float:
     return hit / total
 
 
+def slo_crossing(points: list[tuple[float, float]], slo: float) -> float:
+    """Throughput at which the TTFT percentile first crosses the SLO.
+
+    `points` are (completed req/s, TTFT percentile) per open-loop rate step, in rising rate. Linear between
+    the last step that meets the SLO and the first that misses it, so the figure is not quantized to the
+    rate grid; 0.0 when the lowest step misses, the last step's throughput when none misses. Later steps
+    that meet the SLO again after a miss do not count (the step figure, `throughput_at_slo_req_s`, takes
+    the best step that meets it anywhere)."""
+    best = 0.0
+    for i, (thr, pct) in enumerate(points):
+        if pct > slo:
+            if i:
+                (t0, p0) = points[i - 1]
+                best = t0 + (thr - t0) * (slo - p0) / (pct - p0)
+            return max(best, 0.0)
+        best = thr
+    return best
+
+
 def report(runs: list[dict[str, Any]], traces: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> None:
     print(f"two servers per setup, L1 {args.l1_tokens} tokens per server, L2 2x L1, shared L3 folder; "
           f"{args.repeats} repeats interleaved; hit rate and TTFT at 1 request in flight per server; open-loop "
@@ -36,16 +55,20 @@ def report(runs: list[dict[str, Any]], traces: dict[str, list[dict[str, Any]]], 
         stock = next((r for r in rows if r["setup"] == "hicache"), None)
         print(f"\ntrace: {tname}, {len(trace)} requests, ideal hit rate {ideal_hit_rate(trace):.3f}")
         print(f"{'setup':9} {'hit l1':>6} {'l2':>6} {'l3':>6} {'total':>6} {'ttft mean [min,max]':>22} {'p50':>6} "
-              f"{'p99':>6} {'@slo [min,max]':>20} {'@slo/l1':>7} {'mean/stock':>10}")
+              f"{'p99':>6} {'@slo [min,max]':>20} {'@slo/l1':>7} {'x-ing [min,max]':>20} {'x/l1':>6} "
+              f"{'mean/stock':>10}")
         for r in rows:
             h, t, sp = r["hit_rate"], r["ttft_s"], r["spread"]
             b = base["throughput_at_slo_req_s"]
             ratio = r["throughput_at_slo_req_s"] / b if b else float("nan")
+            bx, x = base.get("throughput_at_slo_interp_req_s", 0.0), r.get("throughput_at_slo_interp_req_s", 0.0)
+            xs = sp.get("throughput_at_slo_interp_req_s", {"min": 0.0, "max": 0.0})
             vs = t["mean"] / stock["ttft_s"]["mean"] if stock else float("nan")
             tm, ts = sp["ttft_mean_s"], sp["throughput_at_slo_req_s"]
             print(f"{r['setup']:9} {h['l1']:6.3f} {h['l2']:6.3f} {h['l3']:6.3f} {h['total']:6.3f} "
                   f"{t['mean']:6.3f} [{tm['min']:.3f},{tm['max']:.3f}] {t['p50']:6.3f} {t['p99']:6.3f} "
-                  f"{r['throughput_at_slo_req_s']:6.2f} [{ts['min']:.2f},{ts['max']:.2f}] {ratio:7.3f} {vs:10.3f}")
+                  f"{r['throughput_at_slo_req_s']:6.2f} [{ts['min']:.2f},{ts['max']:.2f}] {ratio:7.3f} "
+                  f"{x:6.2f} [{xs['min']:.2f},{xs['max']:.2f}] {x / bx if bx else float('nan'):6.3f} {vs:10.3f}")
         for r in rows:
             for o in r["open_loop"]:
                 bo = next((x for x in base["open_loop"] if x["rate_req_s"] == o["rate_req_s"]), None)
@@ -70,7 +93,13 @@ def _row(r: dict[str, Any]) -> str:
             f"[{sp['ttft_mean_s']['min']:.3f}-{sp['ttft_mean_s']['max']:.3f}] p50 {r['ttft_s']['p50']:.3f} "
             f"[{sp['ttft_p50_s']['min']:.3f}-{sp['ttft_p50_s']['max']:.3f}] p99 {r['ttft_s']['p99']:.3f} s, "
             f"{r['throughput_at_slo_req_s']:.2f} [{sp['throughput_at_slo_req_s']['min']:.2f}-"
-            f"{sp['throughput_at_slo_req_s']['max']:.2f}] req/s at SLO ({ol})")
+            f"{sp['throughput_at_slo_req_s']['max']:.2f}] req/s at SLO{_crossing(r)} ({ol})")
+
+
+def _crossing(r: dict[str, Any]) -> str:
+    x = r["spread"].get("throughput_at_slo_interp_req_s")
+    return "" if x is None else (f", SLO crossing {x['median']:.2f} [{x['min']:.2f}-{x['max']:.2f}] req/s "
+                                 f"(per repeat {', '.join(f'{v:.2f}' for v in x['repeats'])})")
 
 
 def record(runs: list[dict[str, Any]], traces: dict[str, list[dict[str, Any]]], args: argparse.Namespace,
@@ -88,6 +117,9 @@ def record(runs: list[dict[str, Any]], traces: dict[str, list[dict[str, Any]]], 
                       "open_loop_rates_req_s": args.rate_list, "slo": f"TTFT P{int(args.slo_pct * 100)} <= {args.slo_s} s",
                       "throughput_at_slo": "highest open-loop rate step's completed/makespan whose TTFT percentile "
                                            "meets the SLO; same seeded Poisson schedule for every setup",
+                      "throughput_at_slo_interp": "completed req/s where the TTFT percentile first crosses the SLO, "
+                                                  "linear between the two rate steps around the crossing",
+                      "stop_after_misses": args.stop_after_misses,
                       "ttft_and_hit_rate": "one request in flight per server, median over repeats",
                       "ideal_hit_rate": {t: ideal_hit_rate(tr) for t, tr in traces.items()}},
            "runs": runs}
@@ -107,7 +139,13 @@ def record(runs: list[dict[str, Any]], traces: dict[str, list[dict[str, Any]]], 
                 f"repeats (A B C / C B A ...), medians [min-max]; hit rate and TTFT at 1 request in flight per "
                 f"server; open-loop Poisson rates {args.rate_list} req/s (same schedule for every setup), "
                 f"throughput at SLO = highest rate step's completed/makespan with TTFT P{int(args.slo_pct * 100)} "
-                f"<= {args.slo_s} s: " + " ".join(cells) + "\n")
+                f"<= {args.slo_s} s (SLO crossing: linear between the steps around the first miss"
+                f"{stop_note(args)}): " + " ".join(cells) + "\n")
+
+
+def stop_note(args: argparse.Namespace) -> str:
+    n = args.stop_after_misses
+    return f"; a repeat's rate ladder stops after {n} consecutive misses" if n else ""
 
 
 def threads_note(args: argparse.Namespace) -> str:

@@ -77,7 +77,7 @@ from replay import arrivals, assign, measure, replay_open, replay_serial, spread
 from medium_report import medium_delta  # noqa: E402
 from medium_setup import medium_setup_args, medium_stats  # noqa: E402
 from trace_gen import generate  # noqa: E402
-from bench_report import plot, record, report  # noqa: E402
+from bench_report import plot, record, report, slo_crossing  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVER_ARGS = ("--page-size", "16", "--chunked-prefill-size", "512")
@@ -132,10 +132,13 @@ def summarize(name: str, tname: str, cells: dict[tuple[Any, int], dict[str, Any]
     reps = sorted({r for st, r in cells if st == "serial"})
     base = [cells[("serial", r)] for r in reps]
     rates = [x for x in args.rate_list if all((x, r) in cells for r in reps)]
-    at_slo = []
-    for r in reps:
-        ok = [cells[(x, r)]["throughput_req_s"] for x in rates if cells[(x, r)]["ttft_s"]["p90"] <= args.slo_s]
+    at_slo, crossing = [], []
+    for r in reps:  # a repeat's ladder may have stopped early (--stop-after-misses): its own steps count
+        pts = [(cells[(x, r)]["throughput_req_s"], cells[(x, r)]["ttft_s"]["p90"])
+               for x in args.rate_list if (x, r) in cells]
+        ok = [thr for thr, p90 in pts if p90 <= args.slo_s]
         at_slo.append(max(ok) if ok else 0.0)
+        crossing.append(slo_crossing(pts, args.slo_s))
     hit = {k: statistics.median(m["hit_rate"][k] for m in base) for k in ("l1", "l2", "l3", "total")}
     ttft = {k: statistics.median(m["ttft_s"][k] for m in base) for k in ("mean", "p50", "p99")}
     return {
@@ -144,6 +147,7 @@ def summarize(name: str, tname: str, cells: dict[tuple[Any, int], dict[str, Any]
         "hit_rate": hit,
         "ttft_s": ttft,
         "throughput_at_slo_req_s": statistics.median(at_slo) if at_slo else 0.0,
+        "throughput_at_slo_interp_req_s": statistics.median(crossing) if crossing else 0.0,
         "servers": 2,
         "requests": base[0]["requests"],
         "repeats": len(reps),
@@ -154,6 +158,7 @@ def summarize(name: str, tname: str, cells: dict[tuple[Any, int], dict[str, Any]
                    "ttft_p50_s": spread([m["ttft_s"]["p50"] for m in base]),
                    "ttft_p99_s": spread([m["ttft_s"]["p99"] for m in base]),
                    "throughput_at_slo_req_s": spread(at_slo),
+                   "throughput_at_slo_interp_req_s": spread(crossing),
                    "hit_total": spread([m["hit_rate"]["total"] for m in base])},
         "open_loop": [{"rate_req_s": x,
                        "throughput_req_s": spread([cells[(x, r)]["throughput_req_s"] for r in reps]),
@@ -301,7 +306,12 @@ def run(args: argparse.Namespace, traces: dict[str, list[dict[str, Any]]], t_sta
                         continue
                     trace = traces[tname]
                     picks = assign(len(trace), len(servers), args.seed)
+                    misses = 0  # consecutive rate steps over the SLO in this repeat's ladder
                     for j, step in enumerate(steps):
+                        if step != "serial" and args.stop_after_misses and misses >= args.stop_after_misses:
+                            print(f"  rep {rep} {tname}: rates from {step} not run ({misses} misses in a row)",
+                                  file=sys.stderr)
+                            break
                         for s in servers:
                             flush(s.base_url)
                         time.sleep(args.settle_s)
@@ -324,6 +334,8 @@ def run(args: argparse.Namespace, traces: dict[str, list[dict[str, Any]]], t_sta
                             m["medium_cell"] = medium_delta(prev_medium, m["medium_after"])
                             prev_medium = m["medium_after"]
                         cells.setdefault((name, tname), {})[(step, rep)] = m
+                        if step != "serial":
+                            misses = misses + 1 if m["ttft_s"]["p90"] > args.slo_s else 0
                         print(f"  rep {rep} {tname} {step}: {makespan:.1f} s, hit {m['hit_rate']['total']:.3f} "
                               f"(l1 {m['hit_rate']['l1']:.3f} l2 {m['hit_rate']['l2']:.3f} l3 {m['hit_rate']['l3']:.3f}), "
                               f"TTFT mean {m['ttft_s']['mean']:.3f} p50 {m['ttft_s']['p50']:.3f} "
@@ -395,6 +407,9 @@ def main() -> None:
                     help="every setup starts fresh servers for each repeat (by default only kv_tiers does, the "
                          "others share a start between consecutive repeats): each repeat of every setup then "
                          "begins right after a start, and lifetime-to-lifetime spread shows in every setup")
+    ap.add_argument("--stop-after-misses", type=int, default=0,
+                    help="end a repeat's rate ladder after this many consecutive steps over the SLO (0: run "
+                         "every rate); saves the overloaded steps of the slower setups")
     ap.add_argument("--no-record", action="store_true", help="do not write results files")
     ap.add_argument("--from-partial", default="",
                     help="run nothing: report and record the cells of this --partial file (give the run's own "
