@@ -120,6 +120,8 @@ def record(runs: list[dict[str, Any]], traces: dict[str, list[dict[str, Any]]], 
                       "throughput_at_slo_interp": "completed req/s where the TTFT percentile first crosses the SLO, "
                                                   "linear between the two rate steps around the crossing",
                       "stop_after_misses": args.stop_after_misses,
+                      "schedule": ("one unit-rate Poisson schedule per repeat, divided by each step's rate"
+                                   if args.scaled_schedule else "an independent Poisson draw per rate step"),
                       "ttft_and_hit_rate": "one request in flight per server, median over repeats",
                       "ideal_hit_rate": {t: ideal_hit_rate(tr) for t, tr in traces.items()}},
            "runs": runs}
@@ -145,7 +147,8 @@ def record(runs: list[dict[str, Any]], traces: dict[str, list[dict[str, Any]]], 
 
 def stop_note(args: argparse.Namespace) -> str:
     n = args.stop_after_misses
-    return f"; a repeat's rate ladder stops after {n} consecutive misses" if n else ""
+    return ((f"; a repeat's rate ladder stops after {n} consecutive misses" if n else "")
+            + ("; every step replays one schedule scaled by its rate" if args.scaled_schedule else ""))
 
 
 def threads_note(args: argparse.Namespace) -> str:

@@ -319,7 +319,7 @@ def run(args: argparse.Namespace, traces: dict[str, list[dict[str, Any]]], t_sta
                         if step == "serial":
                             res, makespan = replay_serial(urls, trace, picks, space * SPACE)
                         else:
-                            sched = arrivals(len(trace), float(step), args.seed + rep)
+                            sched = arrivals(len(trace), float(step), args.seed + rep, args.scaled_schedule)
                             res, makespan = replay_open(urls, trace, picks, sched, space * SPACE)
                         m = measure(res, makespan, args.slo_pct)
                         if step == "serial":  # per request (TTFT, tokens per tier, server): in --partial only
@@ -407,6 +407,9 @@ def main() -> None:
                     help="every setup starts fresh servers for each repeat (by default only kv_tiers does, the "
                          "others share a start between consecutive repeats): each repeat of every setup then "
                          "begins right after a start, and lifetime-to-lifetime spread shows in every setup")
+    ap.add_argument("--scaled-schedule", action="store_true",
+                    help="every rate step replays one seeded unit-rate Poisson schedule divided by the rate "
+                         "(default: an independent draw per rate)")
     ap.add_argument("--stop-after-misses", type=int, default=0,
                     help="end a repeat's rate ladder after this many consecutive steps over the SLO (0: run "
                          "every rate); saves the overloaded steps of the slower setups")
