@@ -69,6 +69,7 @@ def report(runs: list[dict[str, Any]], traces: dict[str, list[dict[str, Any]]], 
                   f"{t['mean']:6.3f} [{tm['min']:.3f},{tm['max']:.3f}] {t['p50']:6.3f} {t['p99']:6.3f} "
                   f"{r['throughput_at_slo_req_s']:6.2f} [{ts['min']:.2f},{ts['max']:.2f}] {ratio:7.3f} "
                   f"{x:6.2f} [{xs['min']:.2f},{xs['max']:.2f}] {x / bx if bx else float('nan'):6.3f} {vs:10.3f}")
+        paired(rows)
         for r in rows:
             for o in r["open_loop"]:
                 bo = next((x for x in base["open_loop"] if x["rate_req_s"] == o["rate_req_s"]), None)
@@ -80,6 +81,21 @@ def report(runs: list[dict[str, Any]], traces: dict[str, list[dict[str, Any]]], 
                       f"{o['ttft_p50_s']['median']:.3f} [{o['ttft_p50_s']['min']:.3f},{o['ttft_p50_s']['max']:.3f}] "
                       f"p90 {o['ttft_p90_s']['median']:.3f} [{o['ttft_p90_s']['min']:.3f},{o['ttft_p90_s']['max']:.3f}]"
                       + rel)
+
+
+def paired(rows: list[dict[str, Any]]) -> None:
+    """Per repeat (the same lifetime index of each setup): kv_tiers' SLO crossing over L1 only's and its
+    serial TTFT mean over stock HiCache's, the ratios the issue's targets are about."""
+    by = {r["setup"]: r["spread"] for r in rows}
+    if "kv_tiers" not in by:
+        return
+    k = by["kv_tiers"]
+    for other, key, what in (("l1_only", "throughput_at_slo_interp_req_s", "SLO crossing kv_tiers / l1_only"),
+                             ("hicache", "ttft_mean_s", "serial TTFT mean kv_tiers / stock")):
+        if other not in by or key not in k or key not in by[other]:
+            continue
+        ratios = [a / b if b else float("nan") for a, b in zip(k[key]["repeats"], by[other][key]["repeats"])]
+        print(f"  paired {what}: " + ", ".join(f"{x:.2f}" for x in ratios))
 
 
 def _row(r: dict[str, Any]) -> str:
