@@ -58,6 +58,7 @@ any plugin.
 from __future__ import annotations
 
 import argparse
+import re
 import json
 import shutil
 import signal
@@ -89,6 +90,11 @@ def setup_args(name: str, store: str, args: argparse.Namespace | None = None, st
     """Server flags, plugins and environment of a setup; `l3_extra` goes into HiCache's storage
     extra config (e.g. `prefetch_threshold`) of the file-store setups."""
     env = {"KLLM_EXTRA_PLUGINS": "kllm_plugins.plugins.kv_tiers.hookimpls"}
+    if name.startswith("kv_tiers[") and name.endswith("]"):  # diagnostic: kv_tiers[option=value,...]
+        for pair in name[len("kv_tiers["):-1].split(","):
+            option, value = pair.split("=", 1)
+            env[f"KLLM_KV_TIERS_{option.strip().upper()}"] = value.strip()
+        name = "kv_tiers"
     if name == "l1_only":
         return [], [], {}
     if args is not None and args.medium is not None:  # both L3 setups on the emulated slow medium
@@ -106,6 +112,11 @@ def setup_args(name: str, store: str, args: argparse.Namespace | None = None, st
     if name == "kv_tiers_fixed":  # diagnostic: the plugin's store with stock's fixed thresholds
         env["KLLM_KV_TIERS_ADAPTIVE_THRESHOLDS"] = "false"
     return l3_args("kllm_file", **l3_extra), ["kv_tiers"], env
+
+
+def split_setups(text: str) -> list[str]:
+    """Comma-separated setup names; commas inside a diagnostic's brackets (`kv_tiers[a=1,b=2]`) stay."""
+    return [m.strip() for m in re.findall(r"[^,\[]+(?:\[[^\]]*\])?", text) if m.strip()]
 
 
 def server_thread_env(threads: int) -> dict[str, str]:
@@ -267,7 +278,7 @@ def load_partial(path: str, args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def run(args: argparse.Namespace, traces: dict[str, list[dict[str, Any]]], t_start: float
         ) -> list[dict[str, Any]]:
-    setups = args.setups.split(",")
+    setups = split_setups(args.setups)
     cells: dict[tuple[str, str], dict[tuple[Any, int], dict[str, Any]]] = {}
     stats: dict[str, list[dict[str, Any]]] = {}
     tnames = list(traces)

@@ -27,7 +27,7 @@ from kllm_plugins.testing.kv_tiers import flush, kv_tiers_stats
 from kllm_plugins.testing.sglang_server import start_all
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_tiers import SPACE, setup_servers  # noqa: E402
+from bench_tiers import SPACE, setup_servers, split_setups  # noqa: E402
 from replay import arrivals, assign, measure, replay_open, replay_serial  # noqa: E402
 from trace_gen import generate  # noqa: E402
 
@@ -68,7 +68,7 @@ def main() -> None:
     trace = list(generate(a.sessions, 3, groups=a.sessions, system_blocks=64, user_blocks=12, answer_blocks=4))
     picks = assign(len(trace), 2, a.seed)
     report: list[dict[str, Any]] = []
-    for name in a.setups.split(","):
+    for name in split_setups(a.setups):
         store = tempfile.mkdtemp(prefix=f"kvt-diag-{name}-")
         servers, plugins = setup_servers(name, store, None, "", a.l1_tokens, a.server_threads)
         for s in servers:

@@ -45,6 +45,15 @@ class KvTiersConfig:
     """Most tokens of L3 prefetches in flight at once."""
     adaptive_thresholds: bool = True
     """Set HiCache's L3 prefetch and L2 load-back thresholds from the measured break-even lengths."""
+    admission_hold: bool = True
+    """Host-lock the span an L3 prefetch loaded into L2 from when HiCache inserts it until its request
+    is admitted (or aborted), so that other work needing host memory does not evict it first and
+    the request recompute what was read for it."""
+    admission_hold_fraction: float = 0.5
+    """Most of the host pool (as a fraction of its tokens) held that way at once; a span beyond it is
+    left unheld, as stock leaves every span."""
+    admission_hold_max_s: float = 120.0
+    """A hold is released after this many seconds even if its request was never admitted."""
     instance_id: str = ""
     """Instance id carried by tier events ("" = <hostname>:<port or pid>)."""
     staged_copier: bool = True
@@ -70,7 +79,9 @@ class KvTiersConfig:
             raise ValueError(f"reuse_window must be >= 0, got {self.reuse_window}")
         if self.explore_every < 0:
             raise ValueError(f"explore_every must be >= 0, got {self.explore_every}")
-        for name in ("l3_read_gbps", "l2_load_gbps", "prefill_tokens_per_s"):
+        if not 0 <= self.admission_hold_fraction <= 1:
+            raise ValueError(f"admission_hold_fraction must be in [0, 1], got {self.admission_hold_fraction}")
+        for name in ("l3_read_gbps", "l2_load_gbps", "prefill_tokens_per_s", "admission_hold_max_s"):
             v = getattr(self, name)
             if not v > 0:
                 raise ValueError(f"{name} must be > 0, got {v}")

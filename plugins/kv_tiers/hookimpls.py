@@ -42,6 +42,12 @@ def kllm_declare() -> PluginSpec:
                        "most tokens of L3 prefetches in flight"),
             OptionSpec("adaptive_thresholds", parse_bool, _D.adaptive_thresholds,
                        "set HiCache's prefetch / load-back thresholds from measured break-even lengths"),
+            OptionSpec("admission_hold", parse_bool, _D.admission_hold,
+                       "host-lock each L3-loaded L2 span until its request is admitted"),
+            OptionSpec("admission_hold_fraction", float, _D.admission_hold_fraction,
+                       "most of the host pool held that way at once (fraction of its tokens)"),
+            OptionSpec("admission_hold_max_s", float, _D.admission_hold_max_s,
+                       "release a hold after this many seconds if its request never runs"),
             OptionSpec("instance_id", str, _D.instance_id, "instance id in tier events ('' = host:port)"),
             OptionSpec("staged_copier", parse_bool, _D.staged_copier,
                        "CUDA: HiCache L1<->L2 pages through the staged copier (direct, page_first_direct)"),
@@ -66,6 +72,38 @@ def kllm_declare() -> PluginSpec:
                 why="measure what an L3 prefetch costs the request that waits for it (start to done, under "
                     "HiCache's default 'timeout' stop policy), the fetch cost that fetch-or-recompute weighs",
                 upstream="per-request prefetch timings exposed by HiCache (time_stats already observes readiness)",
+            ),
+            PatchSpec(
+                target=f"{URC}._handle_prefetch_result",
+                impl=f"{ADAPTER}:after_handle_prefetch_result",
+                kind="after",
+                why="admission hold: host-lock the span a finished L3 prefetch has just inserted into the host "
+                    "tree (unlocked, from the storage ack drain of any scheduler pass) until its request is admitted",
+                upstream="HiCache keeping a request's prefetched span locked until its admission (today the span "
+                         "is inserted unlocked and can be evicted first: cache_admission_shortfall)",
+            ),
+            PatchSpec(
+                target="sglang.srt.managers.scheduler.Scheduler._process_hicache_events",
+                impl=f"{ADAPTER}:after_process_hicache_events",
+                kind="after",
+                why="prefetch just in time: re-issue, in waiting-queue order, the L3 prefetches the gate deferred "
+                    "for want of room (in flight or in L2) once room frees",
+                upstream="a deferrable prefetch admission in HiCache (its paced retries cancel the queue head's "
+                         "and count against a small attempt cap)",
+            ),
+            PatchSpec(
+                target=f"{URC}.finish_storage_prefetch_admission",
+                impl=f"{ADAPTER}:after_finish_storage_prefetch_admission",
+                kind="after",
+                why="admission hold: a request is admitted, so the L3-loaded L2 span held for it is released",
+                upstream="as for _handle_prefetch_result",
+            ),
+            PatchSpec(
+                target=f"{URC}.release_aborted_request",
+                impl=f"{ADAPTER}:after_release_aborted_request",
+                kind="after",
+                why="admission hold: an aborted request's held span is released",
+                upstream="as for _handle_prefetch_result",
             ),
             PatchSpec(
                 target=f"{URC}.init_load_back",

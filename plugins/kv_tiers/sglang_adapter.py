@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+from array import array
 import os
 import socket
 import tempfile
@@ -29,6 +30,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 
 from kllm_plugins import metrics, runtime
 from kllm_plugins.plugins.kv_tiers.config import KvTiersConfig
+from kllm_plugins.plugins.kv_tiers.core.admission_hold import AdmissionHolds
 from kllm_plugins.plugins.kv_tiers.core.cost_model import CostPrior
 from kllm_plugins.plugins.kv_tiers.core.fetch_policy import FetchOrRecompute
 from kllm_plugins.plugins.kv_tiers.core.file_store import FilePageStore, StoreStats
@@ -106,6 +108,12 @@ class _Tiers:
         self.prefetch_blocked: dict[Any, float] = {}
         self.prefetch_wait: dict[str, float] = {"calls": 0, "seconds": 0.0, "max_s": 0.0, "loaded_tokens": 0,
                                                 "misses": 0, "miss_seconds": 0.0}
+        # L3-loaded L2 spans host-locked until their request is admitted (built with the host pool's
+        # size at the first span), and the token key of each prefetch in flight that would need one
+        self.holds: AdmissionHolds[tuple[Any, Any]] | None = None
+        self.prefetch_spans: dict[Any, tuple[array[int], Any, Any]] = {}
+        # queued requests whose prefetch waits for room (in flight or L2 budget): re-issued in queue order
+        self.deferred: dict[Any, None] = {}
         self._lock = threading.Lock()
         self._never: dict[str, bool] = {}
         self._never_logged: dict[str, float] = {}
@@ -114,6 +122,8 @@ class _Tiers:
                                          ("reason",))
         self._m_prefetch = metrics.counter("kllm_kv_tiers_prefetch_decisions_total", "L3 prefetch gate decisions",
                                            ("reason",))
+        self._m_holds = metrics.counter("kllm_kv_tiers_admission_holds_total",
+                                        "L3-loaded L2 spans held until admission, by outcome", ("outcome",))
 
     def start_stats(self, interval_s: float = 0.5) -> None:
         """Publish snapshots for GET /kllm/stats from a daemon thread (only when they change)."""
@@ -250,6 +260,8 @@ class _Tiers:
         out["backend"] = self.backend_name
         if self.fetch is not None:
             out["fetch_policy"] = self.fetch.snapshot()
+        if self.holds is not None:
+            out["admission_holds"] = self.holds.snapshot()
         return out
 
 
@@ -603,8 +615,24 @@ def around_prefetch_from_storage(original: Callable[..., Any], self: Any, reques
                                  new_input_tokens: list[int], *args: Any, **kwargs: Any) -> Any:
     """Before HiCache starts an L3 prefetch for a queued request: with adaptive thresholds, set the
     prefetch threshold from the break-even length and apply the in-flight budget; with or without
-    them, probe the first page and start no prefetch for a certain miss."""
+    them, probe the first page and start no prefetch for a certain miss. A prefetch that starts
+    leaves its token key for the admission hold."""
     t = tiers()
+    started = request in (getattr(self, "ongoing_prefetch", None) or {})
+    result = _prefetch(t, original, self, request, last_host_node_id, new_input_tokens, *args, **kwargs)
+    if t.cfg.admission_hold and not started and request in (getattr(self, "ongoing_prefetch", None) or {}):
+        if len(t.prefetch_spans) > 4096:  # spans of prefetches never checked again: drop the oldest
+            for key in list(t.prefetch_spans)[:2048]:
+                del t.prefetch_spans[key]
+        # the tree keys are int64 arrays (SGLang's Rust tree core accepts nothing else)
+        tokens = array("q", kwargs.get("matched_prefix_tokens") or ())
+        tokens.extend(new_input_tokens)
+        t.prefetch_spans[request] = (tokens, kwargs.get("extra_key"), kwargs.get("cache_salt"))
+    return result
+
+
+def _prefetch(t: _Tiers, original: Callable[..., Any], self: Any, request: Any, last_host_node_id: Any,
+              new_input_tokens: list[int], *args: Any, **kwargs: Any) -> Any:
     adaptive = t.fetch is not None and t.cfg.adaptive_thresholds
     if not adaptive and t.probe is None:
         return original(self, request, last_host_node_id, new_input_tokens, *args, **kwargs)
@@ -624,14 +652,19 @@ def around_prefetch_from_storage(original: Callable[..., Any], self: Any, reques
     if not already:
         if adaptive:
             ops, tokens = _inflight(self)
+            holds = _holds(t, self)
             d = t.gate.decide(len(new_input_tokens), min_tokens, ops, tokens,
-                              explore=lambda: t.fetch.explore_refused("l3"))
+                              explore=lambda: t.fetch.explore_refused("l3"),
+                              held_tokens=holds.tokens if holds is not None else 0,
+                              l2_budget=holds.max_tokens if holds is not None else math.inf)
             if d.reason == "explore":  # admitted below the break-even length: let HiCache start it
                 self.prefetch_threshold = page
                 t.count("prefetch_explored")
             t._m_prefetch.labels(d.reason).inc()
             if not d.admit:
                 t.count("prefetch_refused")
+                if d.deferred and holds is not None:
+                    _defer(t, request)
                 return None
         if _probe_misses(t, self, new_input_tokens, args, kwargs):
             return None
@@ -684,7 +717,9 @@ def after_check_prefetch_progress(result: Any, self: Any, request: Any, *args: A
     """The scheduler asks whether a request's L3 prefetch is over before running it: False = the
     request waits for it (from the first such answer), True = over; record the delay it caused."""
     t = _tiers
-    if t is None or not t.prefetch_started:
+    if t is None:
+        return None
+    if not t.prefetch_started:
         return None
     if result is False:
         t.prefetch_blocking(request)
@@ -695,6 +730,127 @@ def after_check_prefetch_progress(result: Any, self: Any, request: Any, *args: A
         # evicted or still being written) is a race, counted in `prefetch_wait`, not a cost of hits
         if wait is not None and loaded > 0 and t.fetch is not None:
             t.fetch.observe_prefetch_wait(loaded * t.fetch.bytes_per_token, wait)
+    return None
+
+
+def after_handle_prefetch_result(result: Any, self: Any, operation: Any, *args: Any, **kwargs: Any) -> Any:
+    """HiCache has just put a finished prefetch's span into the host tree (from the storage ack
+    drain of each scheduler pass, or when the scheduler reaches the request), unlocked: hold it."""
+    t = _tiers
+    if t is None or not t.prefetch_spans:
+        return None
+    request = getattr(operation, "handle", None)
+    span = t.prefetch_spans.pop(request, None)
+    if span is not None:
+        _hold_loaded_span(t, self, request, span)
+    return None
+
+
+def _hold_loaded_span(t: _Tiers, cache: Any, request: Any, span: tuple[array[int], Any, Any]) -> None:
+    """Lock the span's last host node (which keeps the path above it) until the request is admitted
+    or aborted, if the budget has room. Holds past their age are released here first."""
+    loaded = int((getattr(cache, "prefetch_loaded_tokens_by_reqid", None) or {}).get(request, 0) or 0)
+    holds = _holds(t, cache)
+    if holds is None:
+        return
+    now = time.monotonic()
+    for node, params in holds.expired(now):
+        cache.dec_host_lock_ref(node, params)
+        t._m_holds.labels("expired").inc()
+    if loaded <= 0 or request in holds:
+        holds.note("nothing_loaded" if loaded <= 0 else "already_held")
+        return
+    if not holds.room_for(loaded):
+        holds.refuse(loaded)
+        t._m_holds.labels("over_budget").inc()
+        return
+    try:
+        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        tokens, extra_key, cache_salt = span
+        match = cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens, extra_key=extra_key, cache_salt=cache_salt)))
+        node = match.last_host_node
+        if node is None or cache.is_root(node):
+            holds.note("no_node")
+            t._m_holds.labels("no_node").inc()
+            return
+        params = cache.inc_host_lock_ref(node).to_dec_params()
+    except Exception:  # another tree core or SGLang: leave the span as stock does
+        logger.warning("kv_tiers: could not hold an L3-loaded span until admission", exc_info=True)
+        holds.note("failed")
+        t._m_holds.labels("failed").inc()
+        return
+    holds.hold(request, (node, params), loaded, now)
+    t._m_holds.labels("held").inc()
+
+
+def _holds(t: _Tiers, cache: Any) -> AdmissionHolds[tuple[Any, Any]] | None:
+    """The admission holds, sized from the host pool at first use; None with holds off or no pool."""
+    if t.holds is None and t.cfg.admission_hold:
+        pool = getattr(getattr(cache, "cache_controller", None), "mem_pool_host", None)
+        size = int(getattr(pool, "size", 0) or 0)
+        if size > 0:
+            t.holds = AdmissionHolds(int(size * t.cfg.admission_hold_fraction), t.cfg.admission_hold_max_s)
+    return t.holds
+
+
+def _defer(t: _Tiers, request: Any) -> None:
+    if len(t.deferred) > 4096:  # requests that left without passing admission: drop the oldest
+        for key in list(t.deferred)[:2048]:
+            del t.deferred[key]
+    t.deferred[request] = None
+    t.count("prefetch_deferred")
+
+
+def after_process_hicache_events(result: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
+    """Each scheduler pass, after HiCache's own events and re-issues: start the deferred prefetches
+    in waiting-queue order (the request nearest to running first) while the gate has room; the
+    first one deferred again ends the walk."""
+    t = _tiers
+    if t is None or not t.deferred:
+        return None
+    for req in list(getattr(self, "waiting_queue", None) or ()):
+        handle = getattr(req, "cache_request_handle", None)
+        if handle not in t.deferred:
+            continue
+        del t.deferred[handle]
+        t.count("prefetch_reissued")
+        self._prefetch_kvcache(req)
+        if handle in t.deferred:
+            break
+    return None
+
+
+def _release_hold(cache: Any, request: Any, outcome: str) -> bool:
+    t = _tiers
+    if t is None:
+        return False
+    t.prefetch_spans.pop(request, None)
+    t.deferred.pop(request, None)
+    if t.holds is None:
+        return False
+    lock = t.holds.release(request, outcome)
+    if lock is None:
+        return False
+    cache.dec_host_lock_ref(*lock)
+    t._m_holds.labels(outcome).inc()
+    return True
+
+
+def after_finish_storage_prefetch_admission(result: Any, self: Any, request: Any, fulfilled_tokens: int = 0,
+                                            reason: Any = None, *args: Any, **kwargs: Any) -> Any:
+    """The request is admitted (its L2 span loaded to the device, or recomputed): release its hold.
+    A held span that still fell short is counted (it should not: the hold is what prevents it)."""
+    if _release_hold(self, request, "admitted") and reason == "cache_admission_shortfall":
+        assert _tiers is not None and _tiers.holds is not None
+        _tiers.holds.note("held_but_short")
+    return None
+
+
+def after_release_aborted_request(result: Any, self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+    """An aborted request's hold is released (and its pending span forgotten)."""
+    _release_hold(self, request, "aborted")
     return None
 
 

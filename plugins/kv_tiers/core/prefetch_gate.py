@@ -5,6 +5,12 @@ those transfers compete with the running batch for memory bandwidth, host buffer
 time. The gate admits a prefetch only when it is worth it (the hit is at least the measured
 break-even length) and when the prefetches already in flight stay within a token and an
 operation budget; anything else is left to recompute.
+
+Host memory (L2) is the other bound. A finished prefetch's span stays in L2 until its request is
+admitted (the admission hold keeps it there), so the tokens of spans waiting for admission plus
+those still being read must fit the room L2 can give queued requests (`l2_budget`): beyond it a
+new prefetch would only evict an earlier one, or fail for want of host memory. A prefetch refused
+for a budget (`deferred`) is worth starting later, when room frees, rather than recomputed.
 """
 from __future__ import annotations
 
@@ -13,10 +19,19 @@ from dataclasses import dataclass
 from typing import Callable
 
 
+BUDGET_REASONS = frozenset({"ops_budget", "token_budget", "l2_budget"})
+
+
 @dataclass(frozen=True)
 class GateDecision:
     admit: bool
     reason: str
+
+    @property
+    def deferred(self) -> bool:
+        """Refused only for want of room now: worth asking again once prefetches finish or spans
+        are admitted."""
+        return not self.admit and self.reason in BUDGET_REASONS
 
 
 class PrefetchGate:
@@ -29,9 +44,12 @@ class PrefetchGate:
         self.max_inflight_tokens = max_inflight_tokens
 
     def decide(self, candidate_tokens: int, min_fetch_tokens: float, inflight_ops: int,
-               inflight_tokens: int, explore: Callable[[], bool] | None = None) -> GateDecision:
+               inflight_tokens: int, explore: Callable[[], bool] | None = None, held_tokens: int = 0,
+               l2_budget: float = math.inf) -> GateDecision:
         """`explore` is asked only for a prefetch refused as not worth it (e.g.
-        `FetchOrRecompute.explore_refused`); True admits it anyway, to re-measure the store."""
+        `FetchOrRecompute.explore_refused`); True admits it anyway, to re-measure the store.
+        `held_tokens`: finished spans waiting in L2 for their requests; with the tokens in flight
+        they must stay within `l2_budget`."""
         if candidate_tokens <= 0:
             return GateDecision(False, "empty")
         if math.isinf(min_fetch_tokens) or candidate_tokens < min_fetch_tokens:
@@ -43,4 +61,6 @@ class PrefetchGate:
         if inflight_tokens + candidate_tokens > self.max_inflight_tokens and inflight_ops > 0:
             # An idle gate admits one oversized prefetch rather than never prefetching it.
             return GateDecision(False, "token_budget")
+        if inflight_tokens + held_tokens + candidate_tokens > l2_budget and (inflight_ops > 0 or held_tokens > 0):
+            return GateDecision(False, "l2_budget")
         return GateDecision(True, "admitted")
