@@ -650,22 +650,24 @@ def _prefetch(t: _Tiers, original: Callable[..., Any], self: Any, request: Any, 
         # HiCache's own threshold declines it (or it runs already): nothing to probe or track
         return original(self, request, last_host_node_id, new_input_tokens, *args, **kwargs)
     if not already:
-        if adaptive:
-            ops, tokens = _inflight(self)
-            holds = _holds(t, self)
-            d = t.gate.decide(len(new_input_tokens), min_tokens, ops, tokens,
-                              explore=lambda: t.fetch.explore_refused("l3"),
-                              held_tokens=holds.tokens if holds is not None else 0,
-                              l2_budget=holds.max_tokens if holds is not None else math.inf)
-            if d.reason == "explore":  # admitted below the break-even length: let HiCache start it
-                self.prefetch_threshold = page
-                t.count("prefetch_explored")
-            t._m_prefetch.labels(d.reason).inc()
-            if not d.admit:
-                t.count("prefetch_refused")
-                if d.deferred and holds is not None:
-                    _defer(t, request)
-                return None
+        # the in-flight and L2 bounds apply with or without adaptive thresholds; without them
+        # HiCache's own threshold (checked above) is the worth-it rule
+        ops, tokens = _inflight(self)
+        holds = _holds(t, self)
+        d = t.gate.decide(len(new_input_tokens), min_tokens if adaptive else 0, ops, tokens,
+                          explore=(lambda: t.fetch.explore_refused("l3")) if adaptive else None,
+                          held_tokens=holds.tokens if holds is not None else 0,
+                          l2_budget=holds.max_tokens if holds is not None else math.inf)
+        if d.reason == "explore":  # admitted below the break-even length: let HiCache start it
+            self.prefetch_threshold = page
+            t.count("prefetch_explored")
+        t._m_prefetch.labels(d.reason).inc()
+        if not d.admit:
+            t.count("prefetch_refused")
+            # a prefetch refused for room is started later, in queue order, unless it would miss
+            if d.deferred and holds is not None and not _probe_misses(t, self, new_input_tokens, args, kwargs):
+                _defer(t, request)
+            return None
         if _probe_misses(t, self, new_input_tokens, args, kwargs):
             return None
         t.count("prefetch_admitted")
