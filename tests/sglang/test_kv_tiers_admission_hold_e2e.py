@@ -29,9 +29,9 @@ pytestmark = [pytest.mark.sglang, pytest.mark.e2e, pytest.mark.slow]
 PAGE = 16
 PREFIX_PAGES = 16
 N_REUSE = 6
-PREFIXES = [list(range(1000 + 300 * i, 1000 + 300 * i + PREFIX_PAGES * PAGE)) for i in range(N_REUSE)]
+PREFIXES = [list(range(100 + 300 * i, 100 + 300 * i + PREFIX_PAGES * PAGE)) for i in range(N_REUSE)]
 PROMPTS = [p + list(range(50 + i, 66 + i)) for i, p in enumerate(PREFIXES)]  # one new page each
-LONG = list(range(4000, 4600))  # fills most of L1 while it decodes
+LONG = list(range(2000, 2600))  # fills most of L1 while it decodes
 ARGS = ["--page-size", str(PAGE), "--dtype", "float32", "--enable-metrics", "--schedule-policy", "fcfs",
         "--hicache-storage-prefetch-policy", "wait_complete"]
 ENV = {"KLLM_EXTRA_PLUGINS": "kllm_plugins.plugins.kv_tiers.hookimpls",
@@ -57,7 +57,7 @@ def _scene(tmp_path: Any, hold: bool) -> tuple[list[dict[str, Any]], float, dict
     try:
         for p in PREFIXES:  # each prefix into L3 (written through L2)
             server.generate(input_ids=p, max_new_tokens=1)
-        wait_stats(server, lambda s: s["store"]["pages"] >= N_REUSE * PREFIX_PAGES, 30.0)
+        wait_stats(server, lambda s: s.get("pages_admitted", 0) >= N_REUSE * PREFIX_PAGES, 30.0)
         flush(server.base_url)  # L1 and L2 emptied: the prefixes are in L3 only
         before = _shortfall(server)
 
