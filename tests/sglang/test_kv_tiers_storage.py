@@ -665,3 +665,52 @@ def test_interface_v1_left_off_when_the_config_says_0(backend_factory) -> None:
     b = backend_factory(interface_v1=0)
     assert b.storage_config.extra_config["interface_v1"] == 0
     assert b.pages is None  # the stand-in pool has no buffer: pages would go through a staging copy
+
+
+def test_prefetches_refused_for_l2_room_are_deferred_and_reissued_in_queue_order(backend_factory) -> None:
+    """With the admission hold's L2 budget full, a prefetch is deferred (not recomputed) unless the
+    probe calls it a miss; each scheduler pass re-issues the deferred ones in waiting-queue order and
+    stops at the first that is deferred again; admission or abort forgets a deferral."""
+    from types import SimpleNamespace
+
+    from kllm_plugins.plugins.kv_tiers import sglang_adapter as ad
+
+    b = backend_factory(prefill_tokens_per_s=100.0, l3_read_gbps=50.0, prefetch_max_inflight_ops=8,
+                        admission_hold_fraction=0.5)
+    cache = _Cache()
+    cache.cache_controller = SimpleNamespace(mem_pool_host=SimpleNamespace(size=2048))  # budget 1024 tokens
+    tokens = list(range(512))
+    _store_pages(b, cache, tokens)
+
+    def prefetch(self: Any, request: Any, *a: Any, **k: Any) -> bool:
+        self.ongoing_prefetch[request] = SimpleNamespace(hash_value=[0] * 32)  # 512 tokens in flight
+        return True
+
+    assert ad.around_prefetch_from_storage(prefetch, cache, "r1", None, tokens) is True
+    assert ad.around_prefetch_from_storage(prefetch, cache, "r2", None, tokens) is True  # 1024: full
+    assert ad.around_prefetch_from_storage(prefetch, cache, "r3", None, tokens) is None
+    assert ad.around_prefetch_from_storage(prefetch, cache, "r4", None, tokens) is None
+    assert list(b.t.deferred) == ["r3", "r4"] and b.t.counts["prefetch_deferred"] == 2
+    # a certain miss is not deferred: its prefix is recomputed at once
+    assert ad.around_prefetch_from_storage(prefetch, cache, "miss", None, list(range(900, 1412))) is None
+    assert "miss" not in b.t.deferred
+
+    issued: list[str] = []
+
+    class _Scheduler:
+        tree_cache = cache
+        waiting_queue = [SimpleNamespace(cache_request_handle=h) for h in ("r9", "r4", "r3")]
+
+        def _prefetch_kvcache(self, req: Any) -> None:
+            issued.append(req.cache_request_handle)
+            ad.around_prefetch_from_storage(prefetch, cache, req.cache_request_handle, None, tokens)
+
+    sched = _Scheduler()
+    ad.after_process_hicache_events(None, sched)  # still full: r4 (first in the queue) is deferred again
+    assert issued == ["r4"] and list(b.t.deferred) == ["r3", "r4"]
+    del cache.ongoing_prefetch["r1"]  # a prefetch ended: room for one
+    issued.clear()
+    ad.after_process_hicache_events(None, sched)
+    assert issued == ["r4", "r3"] and "r4" in cache.ongoing_prefetch and list(b.t.deferred) == ["r3"]
+    ad.after_finish_storage_prefetch_admission(None, cache, "r3", 0, None)  # admitted without its prefetch
+    assert not b.t.deferred and b.t.counts["prefetch_reissued"] == 3
