@@ -221,7 +221,7 @@ def kept_stats(servers: list[SGLangServer]) -> list[dict[str, Any]]:
     keep = ("pages_admitted", "pages_skipped", "prefetch_admitted", "prefetch_refused", "prefetch_explored",
             "l2_explored", "l2_loaded_tokens",
             "path_s", "path_calls", "write_mode", "prefetch_wait", "l2_backup_tokens", "prefetch_probe_miss",
-            "held_written", "held")
+            "held_written", "held", "admission_holds", "prefetch_deferred", "prefetch_reissued")
     fkeys = ("l3_bandwidth_bytes_per_s", "l3_latency_s", "l3_samples", "prefill_samples", "l2_min_fetch_tokens")
     out = []
     for s in servers:

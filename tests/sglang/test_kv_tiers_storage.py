@@ -421,7 +421,7 @@ def test_prefetch_hook_refuses_when_recompute_is_cheaper(backend_factory) -> Non
     from kllm_plugins.plugins.kv_tiers import sglang_adapter as ad
 
     b = backend_factory()
-    for n in (16, 64, 256) * 5:  # measured: a very slow disk (1 MB/s)
+    for n in (16, 64, 256) * 11:  # measured (on more than trust_samples reads): a very slow disk (1 MB/s)
         b.t.fetch.observe_transfer("l3", n * 2048, n * 2048 / 1e6)
     cache = _Cache()
     assert ad.around_prefetch_from_storage(_Cache.prefetch, cache, "r", None, list(range(512))) is None
@@ -469,7 +469,7 @@ def test_load_back_refused_as_slow_is_explored_every_nth_time(backend_factory) -
     from kllm_plugins.plugins.kv_tiers import sglang_adapter as ad
 
     b = backend_factory(explore_every=4)
-    for n in (16, 64, 256) * 5:  # measured: host copies at 0.1 MB/s
+    for n in (16, 64, 256) * 11:  # measured (on more than trust_samples loads): host copies at 0.1 MB/s
         b.t.fetch.observe_transfer("l2", n * 2048, n * 2048 / 1e5)
     assert b.t.fetch.min_fetch_tokens("l2") == float("inf")
     cache = _Cache()
@@ -568,7 +568,7 @@ def test_store_refused_as_slow_is_re_measured_and_used_again_when_fast(backend_f
         return fast_readv(*args)
 
     monkeypatch.setattr(file_store.os, "readv", slow_readv)
-    for _ in range(4):
+    for _ in range(8):  # 32 page reads: trust_samples, so refusals are no longer all explored
         read_all()
     assert b.t.fetch.min_fetch_tokens("l3") == float("inf")
     started = [ad.around_prefetch_from_storage(_Cache.prefetch, cache, f"r{i}", None, list(range(512)))

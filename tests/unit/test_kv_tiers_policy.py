@@ -386,3 +386,34 @@ def test_linear_cost_keeps_a_slope_the_sizes_do_show_under_noise() -> None:
     p = c.params()
     assert p.fixed_s > 0
     assert p.per_unit_s == pytest.approx(1e-9, rel=0.2)
+
+
+def test_a_few_slow_first_reads_do_not_shut_a_tier_out() -> None:
+    """Measured in the long12 grid: 5 L3 samples put a server's local disk at 0.9 MB/s and it
+    recomputed every hit of a 72-request cell. Below `trust_samples` a refused fetch is explored;
+    once the tier has that many samples a slow tier is refused (but for the periodic explore)."""
+    p = FetchOrRecompute(
+        bytes_per_token=32_768, l2_prior=CostPrior(1e-5, 1 / 20e9), l3_prior=CostPrior(1e-4, 1 / 1e9),
+        prefill_prior=CostPrior(0.0, 1 / 5_000), margin=1.2, explore_every=50, trust_samples=32)
+    assert p.decide("l3", 256).reason == "fetch_cheaper"  # the prior: fetch
+    for _ in range(5):  # cold first reads: 32 KiB pages at ~1 MB/s
+        p.observe_transfer("l3", 32_768, 0.03)
+    d = p.decide("l3", 256)
+    assert d.fetch and d.reason == "explore"  # measured slow on 5 samples: fetched anyway
+    for _ in range(64):  # the reads that exploration buys: the disk's real speed
+        p.observe_transfer("l3", 32_768, 32_768 / 1e9)
+    assert p.decide("l3", 256).reason == "fetch_cheaper"
+    for _ in range(200):  # and a tier that really is slow, on enough samples, is refused
+        p.observe_transfer("l3", 32_768, 0.03)
+    decisions = [p.decide("l3", 256) for _ in range(100)]
+    assert sum(d.reason == "recompute_cheaper" for d in decisions) == 98  # explored on the 50th, 100th
+
+
+def test_early_estimate_is_the_mean_of_the_first_samples() -> None:
+    """The first sample weighs as much as the next ones (a plain mean until 1/alpha samples), so one
+    cold first read does not dominate the early estimate."""
+    c = LinearCost(CostPrior(0.0, 1.0), alpha=0.1, min_samples=3)
+    c.observe(1000, 1.0)  # 1 ms per unit: an outlier
+    for _ in range(9):
+        c.observe(1000, 0.001)  # 1 us per unit
+    assert c.params().per_unit_s == pytest.approx((1.0 + 9 * 0.001) / 10 / 1000, rel=1e-9)

@@ -50,7 +50,9 @@ class LinearCost:
         if units <= 0 or seconds < 0:
             return
         with self._lock:
-            a = self.alpha if self.samples else 1.0
+            # a plain mean of the first 1/alpha samples, then the EWMA: the first sample (a cold
+            # read, a first pass) would otherwise weigh (1 - alpha)^(n - 1) in every early estimate
+            a = max(self.alpha, 1.0 / (self.samples + 1))
             self._mx += a * (units - self._mx)
             self._my += a * (seconds - self._my)
             self._mxx += a * (units * units - self._mxx)
