@@ -719,9 +719,7 @@ def after_check_prefetch_progress(result: Any, self: Any, request: Any, *args: A
     """The scheduler asks whether a request's L3 prefetch is over before running it: False = the
     request waits for it (from the first such answer), True = over; record the delay it caused."""
     t = _tiers
-    if t is None:
-        return None
-    if not t.prefetch_started:
+    if t is None or not t.prefetch_started:
         return None
     if result is False:
         t.prefetch_blocking(request)
