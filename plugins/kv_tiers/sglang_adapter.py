@@ -47,6 +47,20 @@ _NO_FETCH_THRESHOLD = 1 << 30  # "never": longer than any context
 _NEVER_LOG_EVERY_S = 60.0  # a tier's worth-fetching turns are logged at most this often
 
 
+_MAX_TRACKED = 4096  # per-request maps keep at most this many entries (requests that never come back)
+
+
+def _trim_oldest(d: dict[Any, Any]) -> list[Any]:
+    """Drop the older half of `d` once it holds more than `_MAX_TRACKED` requests (aborted or
+    otherwise never seen again); the keys dropped."""
+    if len(d) <= _MAX_TRACKED:
+        return []
+    dropped = list(d)[: _MAX_TRACKED // 2]
+    for key in dropped:
+        del d[key]
+    return dropped
+
+
 def _config(extra: dict[str, Any] | None = None) -> KvTiersConfig:
     """The plugin's config when enabled here; otherwise defaults overridden by extra-config keys."""
     if runtime.is_enabled(PLUGIN):
@@ -112,8 +126,10 @@ class _Tiers:
         # size at the first span), and the token key of each prefetch in flight that would need one
         self.holds: AdmissionHolds[tuple[Any, Any]] | None = None
         self.prefetch_spans: dict[Any, tuple[array[int], Any, Any]] = {}
-        # queued requests whose prefetch waits for room (in flight or L2 budget): re-issued in queue order
+        # queued requests whose prefetch waits for room (in flight or L2 budget): re-issued in queue order;
+        # and the (ops, tokens in flight, tokens held) at the last re-issue that found no room
         self.deferred: dict[Any, None] = {}
+        self.deferred_room: tuple[int, int, int] | None = None
         self._lock = threading.Lock()
         self._never: dict[str, bool] = {}
         self._never_logged: dict[str, float] = {}
@@ -208,10 +224,8 @@ class _Tiers:
 
     def prefetch_begun(self, request: Any) -> None:
         with self._lock:
-            if len(self.prefetch_started) > 4096:  # aborted requests never complete: drop the oldest
-                for key in list(self.prefetch_started)[:2048]:
-                    del self.prefetch_started[key]
-                    self.prefetch_blocked.pop(key, None)
+            for key in _trim_oldest(self.prefetch_started):  # aborted requests never complete
+                self.prefetch_blocked.pop(key, None)
             self.prefetch_started.setdefault(request, time.perf_counter())
 
     def prefetch_blocking(self, request: Any) -> None:
@@ -238,6 +252,13 @@ class _Tiers:
                 w["misses"] += 1
                 w["miss_seconds"] += wait
         return wait
+
+    def hold_event(self, outcome: str, counted: bool = False) -> None:
+        """One outcome of the admission hold, in the metric and (unless `AdmissionHolds` counted it
+        itself: held, admitted, aborted, expired, over_budget) in the snapshot."""
+        if not counted and self.holds is not None:
+            self.holds.note(outcome)
+        self._m_holds.labels(outcome).inc()
 
     def count(self, what: str, n: int = 1) -> None:
         with self._lock:
@@ -621,9 +642,7 @@ def around_prefetch_from_storage(original: Callable[..., Any], self: Any, reques
     started = request in (getattr(self, "ongoing_prefetch", None) or {})
     result = _prefetch(t, original, self, request, last_host_node_id, new_input_tokens, *args, **kwargs)
     if t.cfg.admission_hold and not started and request in (getattr(self, "ongoing_prefetch", None) or {}):
-        if len(t.prefetch_spans) > 4096:  # spans of prefetches never checked again: drop the oldest
-            for key in list(t.prefetch_spans)[:2048]:
-                del t.prefetch_spans[key]
+        _trim_oldest(t.prefetch_spans)
         # the tree keys are int64 arrays (SGLang's Rust tree core accepts nothing else)
         tokens = array("q", kwargs.get("matched_prefix_tokens") or ())
         tokens.extend(new_input_tokens)
@@ -756,13 +775,13 @@ def _hold_loaded_span(t: _Tiers, cache: Any, request: Any, span: tuple[array[int
     now = time.monotonic()
     for node, params in holds.expired(now):
         cache.dec_host_lock_ref(node, params)
-        t._m_holds.labels("expired").inc()
+        t.hold_event("expired", counted=True)
     if loaded <= 0 or request in holds:
-        holds.note("nothing_loaded" if loaded <= 0 else "already_held")
+        t.hold_event("nothing_loaded" if loaded <= 0 else "already_held")
         return
     if not holds.room_for(loaded):
         holds.refuse(loaded)
-        t._m_holds.labels("over_budget").inc()
+        t.hold_event("over_budget", counted=True)
         return
     try:
         from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
@@ -772,17 +791,15 @@ def _hold_loaded_span(t: _Tiers, cache: Any, request: Any, span: tuple[array[int
         match = cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens, extra_key=extra_key, cache_salt=cache_salt)))
         node = match.last_host_node
         if node is None or cache.is_root(node):
-            holds.note("no_node")
-            t._m_holds.labels("no_node").inc()
+            t.hold_event("no_node")
             return
         params = cache.inc_host_lock_ref(node).to_dec_params()
     except Exception:  # another tree core or SGLang: leave the span as stock does
         logger.warning("kv_tiers: could not hold an L3-loaded span until admission", exc_info=True)
-        holds.note("failed")
-        t._m_holds.labels("failed").inc()
+        t.hold_event("failed")
         return
     holds.hold(request, (node, params), loaded, now)
-    t._m_holds.labels("held").inc()
+    t.hold_event("held", counted=True)
 
 
 def _holds(t: _Tiers, cache: Any) -> AdmissionHolds[tuple[Any, Any]] | None:
@@ -796,9 +813,7 @@ def _holds(t: _Tiers, cache: Any) -> AdmissionHolds[tuple[Any, Any]] | None:
 
 
 def _defer(t: _Tiers, request: Any) -> None:
-    if len(t.deferred) > 4096:  # requests that left without passing admission: drop the oldest
-        for key in list(t.deferred)[:2048]:
-            del t.deferred[key]
+    _trim_oldest(t.deferred)
     t.deferred[request] = None
     t.count("prefetch_deferred")
 
@@ -806,9 +821,14 @@ def _defer(t: _Tiers, request: Any) -> None:
 def after_process_hicache_events(result: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
     """Each scheduler pass, after HiCache's own events and re-issues: start the deferred prefetches
     in waiting-queue order (the request nearest to running first) while the gate has room; the
-    first one deferred again ends the walk."""
+    first one deferred again ends the walk. Room frees only when a prefetch ends or a hold is
+    released, so a pass that finds the in-flight and held tokens as the last refusal left them
+    walks nothing (a re-issue costs a prefix match and the probe's key hashing)."""
     t = _tiers
     if t is None or not t.deferred:
+        return None
+    cache = self.tree_cache
+    if _room_state(t, cache) == t.deferred_room:
         return None
     for req in list(getattr(self, "waiting_queue", None) or ()):
         handle = getattr(req, "cache_request_handle", None)
@@ -818,8 +838,14 @@ def after_process_hicache_events(result: Any, self: Any, *args: Any, **kwargs: A
         t.count("prefetch_reissued")
         self._prefetch_kvcache(req)
         if handle in t.deferred:
+            t.deferred_room = _room_state(t, cache)
             break
     return None
+
+
+def _room_state(t: _Tiers, cache: Any) -> tuple[int, int, int]:
+    ops, tokens = _inflight(cache)
+    return ops, tokens, t.holds.tokens if t.holds is not None else 0
 
 
 def _release_hold(cache: Any, request: Any, outcome: str) -> bool:
@@ -834,7 +860,7 @@ def _release_hold(cache: Any, request: Any, outcome: str) -> bool:
     if lock is None:
         return False
     cache.dec_host_lock_ref(*lock)
-    t._m_holds.labels(outcome).inc()
+    t.hold_event(outcome, counted=True)
     return True
 
 
@@ -843,8 +869,8 @@ def after_finish_storage_prefetch_admission(result: Any, self: Any, request: Any
     """The request is admitted (its L2 span loaded to the device, or recomputed): release its hold.
     A held span that still fell short is counted (it should not: the hold is what prevents it)."""
     if _release_hold(self, request, "admitted") and reason == "cache_admission_shortfall":
-        assert _tiers is not None and _tiers.holds is not None
-        _tiers.holds.note("held_but_short")
+        assert _tiers is not None
+        _tiers.hold_event("held_but_short")
     return None
 
 

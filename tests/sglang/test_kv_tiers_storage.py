@@ -708,6 +708,8 @@ def test_prefetches_refused_for_l2_room_are_deferred_and_reissued_in_queue_order
     sched = _Scheduler()
     ad.after_process_hicache_events(None, sched)  # still full: r4 (first in the queue) is deferred again
     assert issued == ["r4"] and list(b.t.deferred) == ["r3", "r4"]
+    ad.after_process_hicache_events(None, sched)  # nothing ended or was released: no walk at all
+    assert issued == ["r4"]
     del cache.ongoing_prefetch["r1"]  # a prefetch ended: room for one
     issued.clear()
     ad.after_process_hicache_events(None, sched)
