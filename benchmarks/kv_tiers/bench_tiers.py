@@ -60,6 +60,7 @@ from __future__ import annotations
 import argparse
 import re
 import json
+import os
 import shutil
 import signal
 import statistics
@@ -285,10 +286,48 @@ def run(args: argparse.Namespace, traces: dict[str, list[dict[str, Any]]], t_sta
     # kv_tiers restarts for every repeat, so each repeat meets the no-reuse control right after a start
     # (its write-all rule keeps a window of recent lookups); the other setups keep no such state
     plan = lifetimes(setups, args.repeats, keep_apart=tuple(setups) if args.restart_each_repeat else ("kv_tiers",))
-    total = sum(len(reps) for _, reps in plan)
-    done = 0
     steps: list[Any] = ["serial", *args.rate_list]
     seen_s: list[float] = []  # wall seconds per setup-repeat so far (start included)
+    # Every lifetime's L3 folder lives under one run folder, deleted only when the run ends: deleting
+    # a store of tens of thousands of page files mid-run made creating files near it 10-60x slower
+    # for minutes on this ext4 disk (1.1 ms per create instead of 0.02 ms), and that bill went to
+    # the setup that ran next (long13: kv_tiers after stock HiCache wrote 4-5 s instead of ~1 s).
+    run_root = tempfile.mkdtemp(prefix="kvt-bench-run-", dir=args.store_root or None)
+    disk: list[dict[str, Any]] = []  # per lifetime: the create cost measured before its start
+    try:
+        _run_lifetimes(args, traces, t_start, plan, steps, tnames, cells, stats, seen_s, run_root, disk)
+    finally:
+        shutil.rmtree(run_root, ignore_errors=True)
+    return [summarize(n, t, cl, args, stats.get(n, [])) for (n, t), cl in cells.items()
+            if any(st == "serial" for st, _ in cl)]
+
+
+def create_cost_ms(folder: str, files: int = 200, size: int = 32 << 10) -> float:
+    """Median milliseconds to create, write and rename one page-sized file in `folder` (the cost
+    a file L3 pays per written page), measured in a scratch folder removed afterwards."""
+    scratch = tempfile.mkdtemp(prefix="create-probe-", dir=folder)
+    buf = b"\0" * size
+    times = []
+    try:
+        for i in range(files):
+            t0 = time.perf_counter()
+            tmp = os.path.join(scratch, f"{i}.tmp")
+            with open(tmp, "wb") as f:
+                f.write(buf)
+            os.replace(tmp, os.path.join(scratch, str(i)))
+            times.append(time.perf_counter() - t0)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return statistics.median(times) * 1e3
+
+
+def _run_lifetimes(args: argparse.Namespace, traces: dict[str, list[dict[str, Any]]], t_start: float,
+                   plan: list[tuple[str, list[int]]], steps: list[Any], tnames: list[str],
+                   cells: dict[tuple[str, str], dict[tuple[Any, int], dict[str, Any]]],
+                   stats: dict[str, list[dict[str, Any]]], seen_s: list[float], run_root: str,
+                   disk: list[dict[str, Any]]) -> None:
+    total = sum(len(reps) for _, reps in plan)
+    done = 0
     for name, reps in plan:
         per = time.perf_counter() - t_start
         need = max(seen_s + [args.lifetime_s if not seen_s else 0.0]) * len(reps)
@@ -297,8 +336,10 @@ def run(args: argparse.Namespace, traces: dict[str, list[dict[str, Any]]], t_sta
                   file=sys.stderr)
             continue
         t_life = time.perf_counter()
-        store = tempfile.mkdtemp(prefix=f"kvt-bench-{name}-")
+        store = tempfile.mkdtemp(prefix=f"{name}-", dir=run_root)
         mdir = tempfile.mkdtemp(prefix=f"kvt-medium-{name}-") if args.medium is not None else ""
+        disk.append({"setup": name, "repeats": reps, "create_ms": round(create_cost_ms(store), 4)})
+        print(f"== {name}: creating a page file costs {disk[-1]['create_ms']:.3f} ms here", file=sys.stderr)
         servers, plugins = setup_servers(name, store, args, mdir, args.l1_tokens, args.server_threads)
         urls = [s.base_url for s in servers]
         prev_medium: list[dict[str, Any]] | None = None
@@ -362,12 +403,10 @@ def run(args: argparse.Namespace, traces: dict[str, list[dict[str, Any]]], t_sta
         finally:
             for s in servers:
                 s.stop()
-            shutil.rmtree(store, ignore_errors=True)
+            os.sync()  # the next lifetime starts with this one's writes on disk (its folder stays)
             if mdir:
                 shutil.rmtree(mdir, ignore_errors=True)
-        save_partial(args, cells, stats)
-    return [summarize(n, t, cl, args, stats.get(n, [])) for (n, t), cl in cells.items()
-            if any(st == "serial" for st, _ in cl)]
+        save_partial(args, cells, stats, {"disk": disk})
 
 
 def main() -> None:
@@ -403,6 +442,9 @@ def main() -> None:
                     help="expected seconds per setup-repeat until one is measured (deadline)")
     ap.add_argument("--pressure", action="store_true", help="also run the L3-under-pressure comparison")
     ap.add_argument("--pressure-capacity-mb", type=float, default=4.0, help="kv_tiers L3 bound per instance there")
+    ap.add_argument("--store-root", default="",
+                    help="folder for the run's L3 folders (default: the system temp folder); a folder of its "
+                         "own on the disk keeps other files' deletions from slowing page-file creation")
     ap.add_argument("--partial", default="", help="save every finished lifetime's cells here")
     ap.add_argument("--plot", default="", help="draw TTFT P90 against throughput per setup to this file")
     ap.add_argument("--l3-latency-ms", type=float, default=None,
