@@ -8,12 +8,13 @@ become a usable prefix (`sglang:storage_prefetch_unfulfilled_tokens_total{reason
 `device_capacity` = the L2->L1 load-back found no device room, `cache_admission_shortfall` = the
 L3-loaded L2 span was gone when the request was admitted) and the plugin's counters where it runs.
 
-    python benchmarks/kv_tiers/load_diag.py --setups hicache,kv_tiers --rates 8,12
+    python benchmarks/kv_tiers/load_diag.py --setups hicache,kv_tiers --rates 8,12 [--trace sharegpt]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import sys
@@ -32,7 +33,8 @@ from replay import arrivals, assign, measure, replay_open, replay_serial  # noqa
 from trace_gen import generate  # noqa: E402
 
 WATCH = ("sglang:storage_prefetch_unfulfilled_tokens_total", "sglang:storage_prefetch_deferred_tokens_total",
-         "sglang:storage_prefetch_hit_tokens_total", "sglang:prefetched_tokens_total")
+         "sglang:storage_prefetch_hit_tokens_total", "sglang:prefetched_tokens_total",
+         "kllm_kv_tiers_prefetch_decisions_total")
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -63,13 +65,34 @@ def main() -> None:
     ap.add_argument("--l1-tokens", type=int, default=3072)
     ap.add_argument("--server-threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--trace", choices=("synthetic", "sharegpt"), default="synthetic",
+                    help="synthetic: the long-context trace; sharegpt: bench_tiers' long ShareGPT trace "
+                         "(--conversations, 1280-2560 tokens)")
+    ap.add_argument("--conversations", type=int, default=24)
     ap.add_argument("--out", default="")
     a = ap.parse_args()
-    trace = list(generate(a.sessions, 3, groups=a.sessions, system_blocks=64, user_blocks=12, answer_blocks=4))
+    if a.trace == "sharegpt":
+        from sharegpt_trace import build
+
+        trace = build(a.conversations, max_tokens=2560, min_tokens=1280)
+    else:
+        trace = list(generate(a.sessions, 3, groups=a.sessions, system_blocks=64, user_blocks=12, answer_blocks=4))
     picks = assign(len(trace), 2, a.seed)
     report: list[dict[str, Any]] = []
+    # stores are kept until the end: deleting one mid-run slows file creation for the next setup
+    run_root = tempfile.mkdtemp(prefix="kvt-diag-run-")
+    try:
+        _diag(a, trace, picks, report, run_root)
+    finally:
+        shutil.rmtree(run_root, ignore_errors=True)
+    if a.out:
+        Path(a.out).write_text(json.dumps(report, indent=1) + "\n")
+
+
+def _diag(a: argparse.Namespace, trace: list[dict[str, Any]], picks: list[int], report: list[dict[str, Any]],
+          run_root: str) -> None:
     for name in split_setups(a.setups):
-        store = tempfile.mkdtemp(prefix=f"kvt-diag-{name}-")
+        store = tempfile.mkdtemp(prefix=f"{name}-", dir=run_root)
         servers, plugins = setup_servers(name, store, None, "", a.l1_tokens, a.server_threads)
         for s in servers:
             s.args.append("--enable-metrics")
@@ -101,9 +124,7 @@ def main() -> None:
         finally:
             for s in servers:
                 s.stop()
-            shutil.rmtree(store, ignore_errors=True)
-    if a.out:
-        Path(a.out).write_text(json.dumps(report, indent=1) + "\n")
+            os.sync()
 
 
 if __name__ == "__main__":
