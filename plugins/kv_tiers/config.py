@@ -33,6 +33,9 @@ class KvTiersConfig:
     """Fetch a hit only when fetching is this many times cheaper than recomputing it."""
     explore_every: int = 50
     """Every N-th refused fetch of a tier fetches anyway to re-measure it (0: never)."""
+    prefetch_wait_by_load: bool = True
+    """Learn the L3 prefetch round trip separately for a busy server (requests waiting) and an idle
+    one, and price each fetch decision with the one for its state (off: one average over both)."""
     l3_read_gbps: float = 1.0
     """Prior L3 read bandwidth (GB/s) until measured."""
     l2_load_gbps: float = 10.0

@@ -34,6 +34,8 @@ def kllm_declare() -> PluginSpec:
             OptionSpec("busy_high", float, _D.busy_high, "writer busy fraction that raises the reuse bar"),
             OptionSpec("fetch_margin", float, _D.fetch_margin, "fetch only when this many times cheaper than recompute"),
             OptionSpec("explore_every", int, _D.explore_every, "re-measure a refused tier every N decisions (0: never)"),
+            OptionSpec("prefetch_wait_by_load", parse_bool, _D.prefetch_wait_by_load,
+                       "learn the L3 prefetch round trip apart for a busy and an idle server"),
             OptionSpec("l3_read_gbps", float, _D.l3_read_gbps, "prior L3 read bandwidth (GB/s) until measured"),
             OptionSpec("l2_load_gbps", float, _D.l2_load_gbps, "prior L2->L1 bandwidth (GB/s) until measured"),
             OptionSpec("prefill_tokens_per_s", float, _D.prefill_tokens_per_s, "prior prefill speed until measured"),
@@ -87,7 +89,8 @@ def kllm_declare() -> PluginSpec:
                 impl=f"{ADAPTER}:after_process_hicache_events",
                 kind="after",
                 why="prefetch just in time: re-issue, in waiting-queue order, the L3 prefetches the gate deferred "
-                    "for want of room (in flight or in L2) once room frees",
+                    "for want of room (in flight or in L2) once room frees; and note whether requests wait (a busy "
+                    "server's prefetch round trip is learned and priced apart from an idle one's)",
                 upstream="a deferrable prefetch admission in HiCache (its paced retries cancel the queue head's "
                          "and count against a small attempt cap)",
             ),

@@ -130,6 +130,7 @@ class _Tiers:
         # and the (ops, tokens in flight, tokens held) at the last re-issue that found no room
         self.deferred: dict[Any, None] = {}
         self.deferred_room: tuple[int, int, int] | None = None
+        self.waiting = 0  # the scheduler's waiting queue at its last pass (busy: fetch_policy's overhead)
         self._lock = threading.Lock()
         self._never: dict[str, bool] = {}
         self._never_logged: dict[str, float] = {}
@@ -221,6 +222,10 @@ class _Tiers:
             self.persistence.note_lookup_miss(keys[hits:])
             if hits or extends:
                 self.persistence.note_continuation(keys[hits:])
+
+    def busy(self) -> bool:
+        """Requests waited at the scheduler's last pass (and the busy/idle split is on)."""
+        return self.cfg.prefetch_wait_by_load and self.waiting > 0
 
     def prefetch_begun(self, request: Any) -> None:
         with self._lock:
@@ -661,7 +666,7 @@ def _prefetch(t: _Tiers, original: Callable[..., Any], self: Any, request: Any, 
         page = int(getattr(self, "page_size", 1))
         prefix = args[1] if len(args) >= 2 else kwargs.get("prefix_keys")
         context = len(prefix or ()) * page + len(new_input_tokens)  # the request's length, as far as told
-        min_tokens = t.fetch.min_fetch_tokens("l3", context)
+        min_tokens = t.fetch.min_fetch_tokens("l3", context, busy=t.busy())
         t.note_threshold("l3", min_tokens, context)
         self.prefetch_threshold = max(page, _NO_FETCH_THRESHOLD if min_tokens == float("inf") else int(min_tokens))
     already = request in (getattr(self, "ongoing_prefetch", None) or {})
@@ -748,7 +753,7 @@ def after_check_prefetch_progress(result: Any, self: Any, request: Any, *args: A
         # only fetches that loaded something price a fetch: a miss that got past the probe (a page
         # evicted or still being written) is a race, counted in `prefetch_wait`, not a cost of hits
         if wait is not None and loaded > 0 and t.fetch is not None:
-            t.fetch.observe_prefetch_wait(loaded * t.fetch.bytes_per_token, wait)
+            t.fetch.observe_prefetch_wait(loaded * t.fetch.bytes_per_token, wait, busy=t.busy())
     return None
 
 
@@ -825,7 +830,10 @@ def after_process_hicache_events(result: Any, self: Any, *args: Any, **kwargs: A
     released, so a pass that finds the in-flight and held tokens as the last refusal left them
     walks nothing (a re-issue costs a prefix match and the probe's key hashing)."""
     t = _tiers
-    if t is None or not t.deferred:
+    if t is None:
+        return None
+    t.waiting = len(getattr(self, "waiting_queue", None) or ())  # busy or idle, for the next decisions
+    if not t.deferred:
         return None
     cache = self.tree_cache
     if _room_state(t, cache) == t.deferred_room:

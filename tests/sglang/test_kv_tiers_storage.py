@@ -360,6 +360,28 @@ def test_pages_skipped_while_dormant_are_written_once_reuse_is_seen(backend_fact
     assert off.batch_set(_keys(1, "x"), _pages(1, 2)) and off.batch_exists(keys) == 0
 
 
+def test_prefetch_wait_by_load_off_keeps_one_average(backend_factory) -> None:
+    from types import SimpleNamespace
+
+    from kllm_plugins.plugins.kv_tiers import sglang_adapter as ad
+
+    b = backend_factory(prefill_tokens_per_s=2000.0, prefetch_wait_by_load=False)
+    cache = _Cache()
+    cache.prefetch_loaded_tokens_by_reqid = {"r": 64}
+    _store_pages(b, cache, list(range(512)))
+    ad.after_process_hicache_events(None, SimpleNamespace(tree_cache=cache, waiting_queue=[object()] * 3))
+    assert b.t.waiting == 3 and not b.t.busy()
+
+    def prefetch(self: Any, request: Any, *a: Any, **k: Any) -> bool:
+        self.ongoing_prefetch[request] = object()
+        return True
+
+    ad.around_prefetch_from_storage(prefetch, cache, "r", None, list(range(512)))
+    ad.after_check_prefetch_progress(False, cache, "r")
+    ad.after_check_prefetch_progress(True, cache, "r")
+    assert b.t.fetch.l3_waits == 1 and b.t.fetch.l3_waits_busy == 0
+
+
 def test_prefetch_delay_is_measured_from_the_first_blocked_admission(backend_factory) -> None:
     """A prefetch that ends while its request is still queued costs nothing; one the scheduler has
     to wait for costs the wait, which raises the L3 break-even length."""
@@ -399,6 +421,29 @@ def test_prefetch_delay_is_measured_from_the_first_blocked_admission(backend_fac
     assert b.t.fetch.l3_overhead_s >= floor - 1e-9
     assert b.t.fetch.min_fetch_tokens("l3") > max(base, floor * 2000)
     assert not b.t.prefetch_started and not b.t.prefetch_blocked
+    # a scheduler pass with requests waiting: the next waits are a busy server's, priced apart
+    from types import SimpleNamespace
+
+    idle_overhead = b.t.fetch.l3_overhead()
+    ad.after_process_hicache_events(None, SimpleNamespace(tree_cache=cache, waiting_queue=[object()] * 3))
+    assert b.t.waiting == 3
+    for i in range(3):
+        rid = f"busy{i}"
+        start(rid)
+        cache.prefetch_loaded_tokens_by_reqid[rid] = 64
+        ad.after_check_prefetch_progress(False, cache, rid)
+        _time.sleep(0.08)
+        ad.after_check_prefetch_progress(True, cache, rid)
+        cache.ongoing_prefetch.pop(rid)
+    assert b.t.fetch.l3_waits_busy == 3 and b.t.fetch.l3_overhead(busy=True) >= 0.08 - 1e-3
+    assert b.t.fetch.l3_overhead() == idle_overhead  # the idle estimate is left as it was
+    start("busy_next")
+    assert cache.prefetch_threshold == max(16, int(b.t.fetch.min_fetch_tokens("l3", 512, busy=True)))
+    # the queue drained: the next decision is priced idle again
+    ad.after_process_hicache_events(None, SimpleNamespace(tree_cache=cache, waiting_queue=[]))
+    start("after")
+    assert cache.prefetch_threshold == max(16, int(b.t.fetch.min_fetch_tokens("l3", 512)))
+    assert cache.prefetch_threshold < max(16, int(b.t.fetch.min_fetch_tokens("l3", 512, busy=True)))
 
 
 def test_prefetch_hook_sets_break_even_threshold_and_bounds_inflight(backend_factory) -> None:

@@ -185,6 +185,31 @@ def test_prefetch_wait_raises_the_l3_break_even_length() -> None:
     assert p.snapshot()["l3_prefetch_overhead_s"] == pytest.approx(p.l3_overhead_s)
 
 
+def test_a_busy_periods_prefetch_waits_do_not_raise_the_idle_break_even_length() -> None:
+    """Waits measured with requests queued price busy decisions only: when the load has gone, an
+    idle server fetches again at once (the long14 case: 90 ms waits at 16 req/s, then the next
+    serial cell recomputed 13 hits of 272-1056 tokens)."""
+    p = _policy(l3_bw=5e9, prefill_tps=2_000, l3_lat=2e-4, margin=1.2)
+    for _ in range(10):  # idle: a few ms per prefetch
+        p.observe_prefetch_wait(64 * 32_768, p.tiers["l3"].seconds(64 * 32_768) + 0.003)
+    idle = p.min_fetch_tokens("l3")
+    for _ in range(30):  # under load: 90 ms per prefetch
+        p.observe_prefetch_wait(256 * 32_768, p.tiers["l3"].seconds(256 * 32_768) + 0.09, busy=True)
+    assert p.l3_overhead() == pytest.approx(0.003, rel=1e-6)
+    assert p.l3_overhead(busy=True) == pytest.approx(0.09, rel=1e-6)
+    assert p.min_fetch_tokens("l3") == idle < 16  # idle: a page is still worth fetching
+    busy = p.min_fetch_tokens("l3", busy=True)
+    assert busy > 1.2 * 0.09 * 2_000 and not p.decide("l3", 128, busy=True).fetch and p.decide("l3", 128).fetch
+    assert p.fetch_seconds("l3", 128, busy=True) - p.fetch_seconds("l3", 128) == pytest.approx(0.087, rel=1e-6)
+    snap = p.snapshot()
+    assert snap["l3_prefetch_overhead_busy_s"] == pytest.approx(0.09) and snap["l3_prefetch_waits_busy"] == 30
+    assert snap["l3_min_fetch_tokens_busy"] == busy and snap["l3_min_fetch_tokens"] == idle
+    # a server never measured busy prices busy decisions with the idle estimate
+    q = _policy(l3_bw=5e9, prefill_tps=2_000, l3_lat=2e-4, margin=1.2)
+    q.observe_prefetch_wait(0, 0.05)
+    assert q.l3_overhead(busy=True) == q.l3_overhead() == pytest.approx(0.05)
+
+
 def test_exploration_refetches_a_refused_tier_now_and_then() -> None:
     p = _policy(l3_bw=20e6, prefill_tps=2_000, explore=5)
     decisions = [p.decide("l3", 256) for _ in range(20)]

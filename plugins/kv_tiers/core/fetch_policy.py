@@ -17,6 +17,14 @@ look), and a lookup that finds nothing costs that round trip too. `observe_prefe
 this overhead (measured wait minus the modelled read time, an EWMA) and it is charged to every L3
 fetch as extra latency, so the break-even length rises when the round trip is slow (a loaded
 machine) instead of staying at the bare read latency of one page.
+
+That round trip depends on the load: behind a queue, HiCache's storage thread and the scheduler's
+passes are slower, and waits of 50-90 ms were measured at 14-16 req/s against 2-10 ms with one
+request in flight. One average over both kept a loaded period's waits after the load had gone
+(only fetched hits are observed, and the high estimate refused them), so the next idle requests
+recomputed hits a fast disk would have served. The overhead is therefore learned separately for
+a busy server (requests waiting) and an idle one, and each decision uses the one for the state it
+is taken in (`busy`).
 """
 from __future__ import annotations
 
@@ -80,8 +88,10 @@ class FetchOrRecompute:
         }
         self.prefill = PrefillCost(prefill_prior, alpha)
         self.alpha = alpha
-        self.l3_overhead_s = 0.0  # EWMA of (a request's prefetch wait - modelled read time)
+        self.l3_overhead_s = 0.0  # EWMA of (a request's prefetch wait - modelled read time), idle server
         self.l3_waits = 0
+        self.l3_overhead_busy_s = 0.0  # the same with requests waiting (None of them yet: the idle one)
+        self.l3_waits_busy = 0
         self._refused: dict[str, int] = {"l2": 0, "l3": 0}
         self._lock = threading.Lock()
 
@@ -90,16 +100,26 @@ class FetchOrRecompute:
     def observe_transfer(self, tier: Tier, nbytes: int, seconds: float) -> None:
         self.tiers[tier].observe(nbytes, seconds)
 
-    def observe_prefetch_wait(self, loaded_bytes: int, seconds: float) -> None:
-        """A request waited `seconds` for its L3 prefetch, which loaded `loaded_bytes` (0: a miss)."""
+    def observe_prefetch_wait(self, loaded_bytes: int, seconds: float, busy: bool = False) -> None:
+        """A request waited `seconds` for its L3 prefetch, which loaded `loaded_bytes` (0: a miss),
+        on a server with (`busy`) or without requests waiting."""
         if seconds < 0:
             return
         read = self.tiers["l3"].seconds(loaded_bytes) if loaded_bytes > 0 else 0.0
         extra = max(0.0, seconds - read)
         with self._lock:
-            a = self.alpha if self.l3_waits else 1.0
-            self.l3_overhead_s += a * (extra - self.l3_overhead_s)
-            self.l3_waits += 1
+            if busy:
+                a = self.alpha if self.l3_waits_busy else 1.0
+                self.l3_overhead_busy_s += a * (extra - self.l3_overhead_busy_s)
+                self.l3_waits_busy += 1
+            else:
+                a = self.alpha if self.l3_waits else 1.0
+                self.l3_overhead_s += a * (extra - self.l3_overhead_s)
+                self.l3_waits += 1
+
+    def l3_overhead(self, busy: bool = False) -> float:
+        """The learned prefetch round trip beyond the reads, for a busy or an idle server."""
+        return self.l3_overhead_busy_s if busy and self.l3_waits_busy else self.l3_overhead_s
 
     def observe_prefill(self, tokens: int, seconds: float, pairs: int | None = None) -> None:
         """A prefill pass of `tokens` new tokens took `seconds`; `pairs`: the sum over its requests of
@@ -108,11 +128,11 @@ class FetchOrRecompute:
 
     # -- deciding ----------------------------------------------------------------------------
 
-    def fetch_seconds(self, tier: Tier, tokens: int) -> float:
+    def fetch_seconds(self, tier: Tier, tokens: int, busy: bool = False) -> float:
         nbytes = tokens * self.bytes_per_token
         s = self.tiers["l2"].seconds(nbytes)
         if tier == "l3":
-            s += self.tiers["l3"].seconds(nbytes) + self.l3_overhead_s
+            s += self.tiers["l3"].seconds(nbytes) + self.l3_overhead(busy)
         return s
 
     def recompute_seconds(self, tokens: int, context: int = 0) -> float:
@@ -120,10 +140,10 @@ class FetchOrRecompute:
         the pass and its fixed cost run anyway."""
         return tokens * self.prefill.params().marginal_s(max(context, tokens))
 
-    def decide(self, tier: Tier, tokens: int, context: int = 0) -> FetchDecision:
+    def decide(self, tier: Tier, tokens: int, context: int = 0, busy: bool = False) -> FetchDecision:
         if tokens <= 0:
             return FetchDecision(False, tier, tokens, 0.0, 0.0, "empty")
-        f = self.fetch_seconds(tier, tokens)
+        f = self.fetch_seconds(tier, tokens, busy)
         r = self.recompute_seconds(tokens, context)
         if f * self.margin < r:
             return FetchDecision(True, tier, tokens, f, r, "fetch_cheaper")
@@ -143,16 +163,16 @@ class FetchOrRecompute:
                 return True
             return self._refused[tier] % self.explore_every == 0
 
-    def min_fetch_tokens(self, tier: Tier, context: int = 0) -> float:
+    def min_fetch_tokens(self, tier: Tier, context: int = 0, busy: bool = False) -> float:
         """Smallest hit (tokens) worth fetching from `tier` in a request of `context` tokens (0:
-        unknown, the hit alone); `math.inf` when none is."""
+        unknown, the hit alone) on a busy or idle server; `math.inf` when none is."""
         b = self.bytes_per_token
         l2 = self.tiers["l2"].params()
         fixed = l2.fixed_s
         per_tok = l2.per_unit_s * b
         if tier == "l3":
             l3 = self.tiers["l3"].params()
-            fixed += l3.fixed_s + self.l3_overhead_s
+            fixed += l3.fixed_s + self.l3_overhead(busy)
             per_tok += l3.per_unit_s * b
         pre = self.prefill.params()
         m_fixed, m_tok = self.margin * fixed, self.margin * per_tok
@@ -178,6 +198,9 @@ class FetchOrRecompute:
             out[f"{name}_min_fetch_tokens"] = self.min_fetch_tokens(name)  # type: ignore[arg-type]
         out["l3_prefetch_overhead_s"] = self.l3_overhead_s
         out["l3_prefetch_waits"] = float(self.l3_waits)
+        out["l3_prefetch_overhead_busy_s"] = self.l3_overhead_busy_s
+        out["l3_prefetch_waits_busy"] = float(self.l3_waits_busy)
+        out["l3_min_fetch_tokens_busy"] = self.min_fetch_tokens("l3", busy=True)
         pre = self.prefill.params()
         out["prefill_tokens_per_s"] = 1.0 / pre.per_token_s
         out["prefill_s_per_pair"] = pre.per_pair_s
