@@ -223,7 +223,8 @@ def kept_stats(servers: list[SGLangServer]) -> list[dict[str, Any]]:
             "l2_explored", "l2_loaded_tokens",
             "path_s", "path_calls", "write_mode", "prefetch_wait", "l2_backup_tokens", "prefetch_probe_miss",
             "held_written", "held", "admission_holds", "prefetch_deferred", "prefetch_reissued")
-    fkeys = ("l3_bandwidth_bytes_per_s", "l3_latency_s", "l3_samples", "prefill_samples", "l2_min_fetch_tokens")
+    fkeys = ("l3_bandwidth_bytes_per_s", "l3_latency_s", "l3_samples", "prefill_samples", "l2_min_fetch_tokens",
+             "l3_prefetch_overhead_busy_s", "l3_prefetch_waits", "l3_prefetch_waits_busy", "l3_min_fetch_tokens_busy")
     out = []
     for s in servers:
         st = kv_tiers_stats(s)
