@@ -828,7 +828,8 @@ def after_process_hicache_events(result: Any, self: Any, *args: Any, **kwargs: A
     in waiting-queue order (the request nearest to running first) while the gate has room; the
     first one deferred again ends the walk. Room frees only when a prefetch ends or a hold is
     released, so a pass that finds the in-flight and held tokens as the last refusal left them
-    walks nothing (a re-issue costs a prefix match and the probe's key hashing)."""
+    walks nothing (a re-issue costs a prefix match and the probe's key hashing). Also notes the
+    waiting queue's length: whether the next prefetch decisions and waits are a busy server's."""
     t = _tiers
     if t is None:
         return None

@@ -90,7 +90,7 @@ class FetchOrRecompute:
         self.alpha = alpha
         self.l3_overhead_s = 0.0  # EWMA of (a request's prefetch wait - modelled read time), idle server
         self.l3_waits = 0
-        self.l3_overhead_busy_s = 0.0  # the same with requests waiting (None of them yet: the idle one)
+        self.l3_overhead_busy_s = 0.0  # the same with requests waiting (until one is seen, the idle one applies)
         self.l3_waits_busy = 0
         self._refused: dict[str, int] = {"l2": 0, "l3": 0}
         self._lock = threading.Lock()
