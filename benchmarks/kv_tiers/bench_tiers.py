@@ -58,6 +58,7 @@ any plugin.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import json
 import os
@@ -68,7 +69,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from kllm_plugins.models.tiny_llama import tiny_llama_path
 from kllm_plugins.testing.kv_tiers import flush, kv_tiers_stats, l3_args
@@ -293,14 +294,104 @@ def run(args: argparse.Namespace, traces: dict[str, list[dict[str, Any]]], t_sta
     # a store of tens of thousands of page files mid-run made creating files near it 10-60x slower
     # for minutes on this ext4 disk (1.1 ms per create instead of 0.02 ms), and that bill went to
     # the setup that ran next (long13: kv_tiers after stock HiCache wrote 4-5 s instead of ~1 s).
-    run_root = tempfile.mkdtemp(prefix="kvt-bench-run-", dir=args.store_root or None)
     disk: list[dict[str, Any]] = []  # per lifetime: the create cost measured before its start
-    try:
-        _run_lifetimes(args, traces, t_start, plan, steps, tnames, cells, stats, seen_s, run_root, disk)
-    finally:
-        shutil.rmtree(run_root, ignore_errors=True)
+    with run_folder("kvt-bench-run-", args.store_root) as run_root:
+        total = sum(len(reps) for _, reps in plan)
+        done = 0
+        for name, reps in plan:
+            per = time.perf_counter() - t_start
+            need = max(seen_s + [args.lifetime_s if not seen_s else 0.0]) * len(reps)
+            if per + need > args.deadline_s:
+                print(f"== deadline: {name} repeats {reps} not run ({per:.0f} s spent, {need:.0f} s needed)",
+                      file=sys.stderr)
+                continue
+            t_life = time.perf_counter()
+            store = tempfile.mkdtemp(prefix=f"{name}-", dir=run_root)
+            mdir = tempfile.mkdtemp(prefix=f"kvt-medium-{name}-") if args.medium is not None else ""
+            disk.append({"setup": name, "repeats": reps, "create_ms": round(create_cost_ms(store), 4)})
+            print(f"== {name}: creating a page file costs {disk[-1]['create_ms']:.3f} ms here", file=sys.stderr)
+            servers, plugins = setup_servers(name, store, args, mdir, args.l1_tokens, args.server_threads)
+            urls = [s.base_url for s in servers]
+            prev_medium: list[dict[str, Any]] | None = None
+            try:
+                t0 = time.perf_counter()
+                start_all(servers)
+                # warm-up in token space 0 (no cell uses it): the first requests after a start are slower
+                # (allocations, first batches); taken from the first trace (the no-reuse control when it runs)
+                mine = [t for t in tnames if not t.endswith(" unique") or name in args.unique_setups.split(",")]
+                warm = traces[mine[0]][: args.warmup]
+                replay_serial(urls, warm, assign(len(warm), len(servers), args.seed), 0)
+                print(f"== {name}: servers up in {time.perf_counter() - t0:.0f} s, repeats {reps}", file=sys.stderr)
+                for rep in reps:
+                    for k, tname in enumerate(tnames):
+                        if tname not in mine:
+                            continue
+                        trace = traces[tname]
+                        picks = assign(len(trace), len(servers), args.seed)
+                        misses = 0  # consecutive rate steps over the SLO in this repeat's ladder
+                        for j, step in enumerate(steps):
+                            if step != "serial" and args.stop_after_misses and misses >= args.stop_after_misses:
+                                print(f"  rep {rep} {tname}: rates from {step} not run ({misses} misses in a row)",
+                                      file=sys.stderr)
+                                break
+                            for s in servers:
+                                flush(s.base_url)
+                            time.sleep(args.settle_s)
+                            space = 1 + (rep * len(tnames) + k) * len(steps) + j  # same cell, same tokens
+                            if step == "serial":
+                                res, makespan = replay_serial(urls, trace, picks, space * SPACE)
+                            else:
+                                sched = arrivals(len(trace), float(step), args.seed + rep, args.scaled_schedule)
+                                res, makespan = replay_open(urls, trace, picks, sched, space * SPACE)
+                            m = measure(res, makespan, args.slo_pct)
+                            if step == "serial":  # per request (TTFT, tokens per tier, server): in --partial only
+                                m["per_request"] = res
+                            if plugins:  # this plugin's L3 path so far (cumulative per server; deltas per cell)
+                                time.sleep(0.6)  # stats snapshots are written every 0.5 s
+                                m["kv_tiers_after"] = kept_stats(servers)
+                            if mdir:  # the medium's counters per server process (cumulative; deltas per cell)
+                                if not plugins:
+                                    time.sleep(0.2)
+                                m["medium_after"] = medium_stats(mdir)
+                                m["medium_cell"] = medium_delta(prev_medium, m["medium_after"])
+                                prev_medium = m["medium_after"]
+                            cells.setdefault((name, tname), {})[(step, rep)] = m
+                            if step != "serial":
+                                misses = misses + 1 if m["ttft_s"]["p90"] > args.slo_s else 0
+                            print(f"  rep {rep} {tname} {step}: {makespan:.1f} s, hit {m['hit_rate']['total']:.3f} "
+                                  f"(l1 {m['hit_rate']['l1']:.3f} l2 {m['hit_rate']['l2']:.3f} "
+                                  f"l3 {m['hit_rate']['l3']:.3f}), "
+                                  f"TTFT mean {m['ttft_s']['mean']:.3f} p50 {m['ttft_s']['p50']:.3f} "
+                                  f"p90 {m['ttft_s']['p90']:.3f}, {m['throughput_req_s']:.2f} req/s",
+                                  file=sys.stderr, flush=True)
+                    done += 1
+                    print(f"  [{done}/{total}] setup-repeats done at {time.perf_counter() - t_start:.0f} s",
+                          file=sys.stderr, flush=True)
+                if plugins:
+                    time.sleep(1.0)  # stats snapshots are written every 0.5 s
+                    stats.setdefault(name, []).extend(kept_stats(servers))
+                seen_s.append((time.perf_counter() - t_life) / len(reps))
+            finally:
+                for s in servers:
+                    s.stop()
+                os.sync()  # the next lifetime starts with this one's writes on disk (its folder stays)
+                if mdir:
+                    shutil.rmtree(mdir, ignore_errors=True)
+            save_partial(args, cells, stats, {"disk": disk})
     return [summarize(n, t, cl, args, stats.get(n, [])) for (n, t), cl in cells.items()
             if any(st == "serial" for st, _ in cl)]
+
+
+@contextlib.contextmanager
+def run_folder(prefix: str, root: str = "") -> Iterator[str]:
+    """A folder for a run's L3 folders (under `root`, default the system temp folder), deleted when
+    the run ends and not before: deleting a store of many page files mid-run slows file creation
+    near it for minutes on this disk, a cost the next setup would pay."""
+    path = tempfile.mkdtemp(prefix=prefix, dir=root or None)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def create_cost_ms(folder: str, files: int = 200, size: int = 32 << 10) -> float:
@@ -320,94 +411,6 @@ def create_cost_ms(folder: str, files: int = 200, size: int = 32 << 10) -> float
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return statistics.median(times) * 1e3
-
-
-def _run_lifetimes(args: argparse.Namespace, traces: dict[str, list[dict[str, Any]]], t_start: float,
-                   plan: list[tuple[str, list[int]]], steps: list[Any], tnames: list[str],
-                   cells: dict[tuple[str, str], dict[tuple[Any, int], dict[str, Any]]],
-                   stats: dict[str, list[dict[str, Any]]], seen_s: list[float], run_root: str,
-                   disk: list[dict[str, Any]]) -> None:
-    total = sum(len(reps) for _, reps in plan)
-    done = 0
-    for name, reps in plan:
-        per = time.perf_counter() - t_start
-        need = max(seen_s + [args.lifetime_s if not seen_s else 0.0]) * len(reps)
-        if per + need > args.deadline_s:
-            print(f"== deadline: {name} repeats {reps} not run ({per:.0f} s spent, {need:.0f} s needed)",
-                  file=sys.stderr)
-            continue
-        t_life = time.perf_counter()
-        store = tempfile.mkdtemp(prefix=f"{name}-", dir=run_root)
-        mdir = tempfile.mkdtemp(prefix=f"kvt-medium-{name}-") if args.medium is not None else ""
-        disk.append({"setup": name, "repeats": reps, "create_ms": round(create_cost_ms(store), 4)})
-        print(f"== {name}: creating a page file costs {disk[-1]['create_ms']:.3f} ms here", file=sys.stderr)
-        servers, plugins = setup_servers(name, store, args, mdir, args.l1_tokens, args.server_threads)
-        urls = [s.base_url for s in servers]
-        prev_medium: list[dict[str, Any]] | None = None
-        try:
-            t0 = time.perf_counter()
-            start_all(servers)
-            # warm-up in token space 0 (no cell uses it): the first requests after a start are slower
-            # (allocations, first batches); taken from the first trace (the no-reuse control when it runs)
-            mine = [t for t in tnames if not t.endswith(" unique") or name in args.unique_setups.split(",")]
-            warm = traces[mine[0]][: args.warmup]
-            replay_serial(urls, warm, assign(len(warm), len(servers), args.seed), 0)
-            print(f"== {name}: servers up in {time.perf_counter() - t0:.0f} s, repeats {reps}", file=sys.stderr)
-            for rep in reps:
-                for k, tname in enumerate(tnames):
-                    if tname not in mine:
-                        continue
-                    trace = traces[tname]
-                    picks = assign(len(trace), len(servers), args.seed)
-                    misses = 0  # consecutive rate steps over the SLO in this repeat's ladder
-                    for j, step in enumerate(steps):
-                        if step != "serial" and args.stop_after_misses and misses >= args.stop_after_misses:
-                            print(f"  rep {rep} {tname}: rates from {step} not run ({misses} misses in a row)",
-                                  file=sys.stderr)
-                            break
-                        for s in servers:
-                            flush(s.base_url)
-                        time.sleep(args.settle_s)
-                        space = 1 + (rep * len(tnames) + k) * len(steps) + j  # same cell, same tokens
-                        if step == "serial":
-                            res, makespan = replay_serial(urls, trace, picks, space * SPACE)
-                        else:
-                            sched = arrivals(len(trace), float(step), args.seed + rep, args.scaled_schedule)
-                            res, makespan = replay_open(urls, trace, picks, sched, space * SPACE)
-                        m = measure(res, makespan, args.slo_pct)
-                        if step == "serial":  # per request (TTFT, tokens per tier, server): in --partial only
-                            m["per_request"] = res
-                        if plugins:  # this plugin's L3 path so far (cumulative per server; deltas per cell)
-                            time.sleep(0.6)  # stats snapshots are written every 0.5 s
-                            m["kv_tiers_after"] = kept_stats(servers)
-                        if mdir:  # the medium's counters per server process (cumulative; deltas per cell)
-                            if not plugins:
-                                time.sleep(0.2)
-                            m["medium_after"] = medium_stats(mdir)
-                            m["medium_cell"] = medium_delta(prev_medium, m["medium_after"])
-                            prev_medium = m["medium_after"]
-                        cells.setdefault((name, tname), {})[(step, rep)] = m
-                        if step != "serial":
-                            misses = misses + 1 if m["ttft_s"]["p90"] > args.slo_s else 0
-                        print(f"  rep {rep} {tname} {step}: {makespan:.1f} s, hit {m['hit_rate']['total']:.3f} "
-                              f"(l1 {m['hit_rate']['l1']:.3f} l2 {m['hit_rate']['l2']:.3f} l3 {m['hit_rate']['l3']:.3f}), "
-                              f"TTFT mean {m['ttft_s']['mean']:.3f} p50 {m['ttft_s']['p50']:.3f} "
-                              f"p90 {m['ttft_s']['p90']:.3f}, {m['throughput_req_s']:.2f} req/s",
-                              file=sys.stderr, flush=True)
-                done += 1
-                print(f"  [{done}/{total}] setup-repeats done at {time.perf_counter() - t_start:.0f} s",
-                      file=sys.stderr, flush=True)
-            if plugins:
-                time.sleep(1.0)  # stats snapshots are written every 0.5 s
-                stats.setdefault(name, []).extend(kept_stats(servers))
-            seen_s.append((time.perf_counter() - t_life) / len(reps))
-        finally:
-            for s in servers:
-                s.stop()
-            os.sync()  # the next lifetime starts with this one's writes on disk (its folder stays)
-            if mdir:
-                shutil.rmtree(mdir, ignore_errors=True)
-        save_partial(args, cells, stats, {"disk": disk})
 
 
 def main() -> None:

@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import re
-import shutil
 import sys
 import tempfile
 import time
@@ -28,7 +27,7 @@ from kllm_plugins.testing.kv_tiers import flush, kv_tiers_stats
 from kllm_plugins.testing.sglang_server import start_all
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_tiers import SPACE, setup_servers, split_setups  # noqa: E402
+from bench_tiers import SPACE, run_folder, setup_servers, split_setups  # noqa: E402
 from replay import arrivals, assign, measure, replay_open, replay_serial  # noqa: E402
 from trace_gen import generate  # noqa: E402
 
@@ -79,52 +78,45 @@ def main() -> None:
         trace = list(generate(a.sessions, 3, groups=a.sessions, system_blocks=64, user_blocks=12, answer_blocks=4))
     picks = assign(len(trace), 2, a.seed)
     report: list[dict[str, Any]] = []
-    # stores are kept until the end: deleting one mid-run slows file creation for the next setup
-    run_root = tempfile.mkdtemp(prefix="kvt-diag-run-")
-    try:
-        _diag(a, trace, picks, report, run_root)
-    finally:
-        shutil.rmtree(run_root, ignore_errors=True)
+    with run_folder("kvt-diag-run-") as run_root:  # stores kept until the end (bench_tiers.run_folder)
+        for name in split_setups(a.setups):
+            store = tempfile.mkdtemp(prefix=f"{name}-", dir=run_root)
+            servers, plugins = setup_servers(name, store, None, "", a.l1_tokens, a.server_threads)
+            for s in servers:
+                s.args.append("--enable-metrics")
+            urls = [s.base_url for s in servers]
+            try:
+                start_all(servers)
+                replay_serial(urls, trace[:4], picks[:4], 0)  # warm-up in space 0
+                for j, rate in enumerate(["serial", *(float(x) for x in a.rates.split(","))]):
+                    for u in urls:
+                        flush(u)
+                    time.sleep(0.5)
+                    before = [scrape(u) for u in urls]
+                    space = (1 + j) * SPACE
+                    if rate == "serial":
+                        res, makespan = replay_serial(urls, trace, picks, space)
+                    else:
+                        sched = arrivals(len(trace), rate, a.seed, True)
+                        res, makespan = replay_open(urls, trace, picks, sched, space)
+                    time.sleep(0.6)
+                    m = measure(res, makespan, 0.9)
+                    row = {"setup": name, "rate": rate, "hit_rate": m["hit_rate"], "ttft_s": m["ttft_s"],
+                           "throughput_req_s": m["throughput_req_s"],
+                           "sglang": delta([scrape(u) for u in urls], before)}
+                    if plugins:
+                        row["kv_tiers"] = [kv_tiers_stats(srv) for srv in servers]
+                    report.append(row)
+                    h = m["hit_rate"]
+                    print(f"{name} {rate}: hit {h['total']:.3f} (l2 {h['l2']:.3f} l3 {h['l3']:.3f}) TTFT p50 "
+                          f"{m['ttft_s']['p50']:.3f} p90 {m['ttft_s']['p90']:.3f}, {m['throughput_req_s']:.2f} req/s; "
+                          + ", ".join(f"{k} {v:.0f}" for k, v in row["sglang"].items()), flush=True)
+            finally:
+                for s in servers:
+                    s.stop()
+                os.sync()
     if a.out:
         Path(a.out).write_text(json.dumps(report, indent=1) + "\n")
-
-
-def _diag(a: argparse.Namespace, trace: list[dict[str, Any]], picks: list[int], report: list[dict[str, Any]],
-          run_root: str) -> None:
-    for name in split_setups(a.setups):
-        store = tempfile.mkdtemp(prefix=f"{name}-", dir=run_root)
-        servers, plugins = setup_servers(name, store, None, "", a.l1_tokens, a.server_threads)
-        for s in servers:
-            s.args.append("--enable-metrics")
-        urls = [s.base_url for s in servers]
-        try:
-            start_all(servers)
-            replay_serial(urls, trace[:4], picks[:4], 0)  # warm-up in space 0
-            for j, rate in enumerate(["serial", *(float(x) for x in a.rates.split(","))]):
-                for u in urls:
-                    flush(u)
-                time.sleep(0.5)
-                before = [scrape(u) for u in urls]
-                space = (1 + j) * SPACE
-                if rate == "serial":
-                    res, makespan = replay_serial(urls, trace, picks, space)
-                else:
-                    res, makespan = replay_open(urls, trace, picks, arrivals(len(trace), rate, a.seed, True), space)
-                time.sleep(0.6)
-                m = measure(res, makespan, 0.9)
-                row = {"setup": name, "rate": rate, "hit_rate": m["hit_rate"], "ttft_s": m["ttft_s"],
-                       "throughput_req_s": m["throughput_req_s"], "sglang": delta([scrape(u) for u in urls], before)}
-                if plugins:
-                    row["kv_tiers"] = [kv_tiers_stats(srv) for srv in servers]
-                report.append(row)
-                h = m["hit_rate"]
-                print(f"{name} {rate}: hit {h['total']:.3f} (l2 {h['l2']:.3f} l3 {h['l3']:.3f}) TTFT p50 "
-                      f"{m['ttft_s']['p50']:.3f} p90 {m['ttft_s']['p90']:.3f}, {m['throughput_req_s']:.2f} req/s; "
-                      + ", ".join(f"{k} {v:.0f}" for k, v in row["sglang"].items()), flush=True)
-        finally:
-            for s in servers:
-                s.stop()
-            os.sync()
 
 
 if __name__ == "__main__":

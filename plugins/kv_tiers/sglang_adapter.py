@@ -833,13 +833,14 @@ def after_process_hicache_events(result: Any, self: Any, *args: Any, **kwargs: A
     t = _tiers
     if t is None:
         return None
-    t.waiting = len(getattr(self, "waiting_queue", None) or ())  # busy or idle, for the next decisions
+    queue = getattr(self, "waiting_queue", None) or ()
+    t.waiting = len(queue)  # busy or idle, for the next decisions
     if not t.deferred:
         return None
     cache = self.tree_cache
     if _room_state(t, cache) == t.deferred_room:
         return None
-    for req in list(getattr(self, "waiting_queue", None) or ()):
+    for req in list(queue):
         handle = getattr(req, "cache_request_handle", None)
         if handle not in t.deferred:
             continue
