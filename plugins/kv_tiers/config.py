@@ -21,6 +21,9 @@ class KvTiersConfig:
     """Write-all (above) holds only while one of the last `reuse_window` L3 lookups reused something
     (a cached prefix or an L3 hit) or a page came back; otherwise nothing is written before its
     `min_reuse`-th sighting (a workload without reuse writes nothing). 0: write-all always."""
+    start_active: bool = True
+    """A fresh instance assumes reuse (writes every page, as stock) until `reuse_window` lookups in a
+    row show none; false: dormant from the start, nothing written before the first sign of reuse."""
     dormant_hold_mb: float = 64.0
     """While the policy is dormant (no reuse seen yet), keep up to this many MiB of the skipped pages
     in memory and write them once reuse is seen (a conversation's first turn, offered before its

@@ -28,6 +28,8 @@ def kllm_declare() -> PluginSpec:
                        "write every page while the store has room and bandwidth; select only under pressure"),
             OptionSpec("reuse_window", int, _D.reuse_window,
                        "write-all only while one of the last N L3 lookups reused something (0: always)"),
+            OptionSpec("start_active", parse_bool, _D.start_active,
+                       "assume reuse at start: write all until reuse_window lookups show none"),
             OptionSpec("dormant_hold_mb", float, _D.dormant_hold_mb,
                        "MiB of pages skipped before reuse is seen, written once it is (0: dropped)"),
             OptionSpec("fill_high", float, _D.fill_high, "store fill fraction that raises the reuse bar"),

@@ -97,7 +97,7 @@ class _Tiers:
         self.fetch: FetchOrRecompute | None = None  # built once the KV size per token is known
         self.persistence = PersistencePolicy(cfg.min_reuse, cfg.fill_high, cfg.busy_high,
                                              write_all_below_pressure=cfg.write_all_below_pressure,
-                                             reuse_window=cfg.reuse_window)
+                                             reuse_window=cfg.reuse_window, start_active=cfg.start_active)
         self.held = HeldPages(int(cfg.dormant_hold_mb * (1 << 20)))
         self.gate = PrefetchGate(cfg.prefetch_max_inflight_ops, cfg.prefetch_max_inflight_tokens)
         self.write_busy = BusyMeter()

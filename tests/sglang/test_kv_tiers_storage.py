@@ -44,7 +44,9 @@ def backend_factory(tmp_path, monkeypatch):
                "class_name": "KllmFileStorage", "store_dir": str(tmp_path),
                # most tests pin down the selective rule itself; the default (write everything while
                # the store has room) has its own test
-               "write_all_below_pressure": False, **extra}
+               "write_all_below_pressure": False,
+               # and the reuse-window tests start dormant; the assumed-reuse start has its own test
+               "start_active": False, **extra}
         b = sglang_adapter.KllmFileStorage(_config(model, cfg), {})
         b.register_mem_pool_host(pool if pool is not None else _HostPool())
         return b
@@ -331,6 +333,23 @@ def test_without_reuse_nothing_is_written_and_one_reuse_turns_write_all_on(backe
     assert b.t.snapshot()["write_mode"] == "active"
     other = _keys(2, "first-turn")
     assert b.batch_set(other, _pages(2, 9)) and b.batch_exists(other) == 2  # written at first sighting
+
+
+def test_a_fresh_instance_writes_through_until_its_window_shows_no_reuse(backend_factory) -> None:
+    """The default start (`start_active`): the first pages are written at first sighting, so a
+    neighbour sharing the store finds a fresh instance's first turns; after `reuse_window` lookups
+    without reuse the instance turns dormant and writes nothing more."""
+    b = backend_factory(min_reuse=2, write_all_below_pressure=True, reuse_window=3, start_active=True)
+    assert b.t.snapshot()["write_mode"] == "active"
+    first = _keys(2, "start")
+    assert b.batch_set(first, _pages(2, 1)) and b.store.prefix_hits(first) == 2
+    for i in range(3):  # one-off prompts: looked up, nothing reused
+        keys = _keys(2, f"u{i}")
+        assert b.batch_exists(keys) == 0
+        assert b.batch_set(keys, _pages(2, i))
+    # the first two lookups fell inside the assumed window: their pages were written
+    assert [b.store.prefix_hits(_keys(2, f"u{i}")) for i in range(3)] == [2, 2, 0]
+    assert b.t.snapshot()["write_mode"] == "dormant" and b.t.counts["pages_admitted"] == 6
 
 
 def test_pages_skipped_while_dormant_are_written_once_reuse_is_seen(backend_factory) -> None:

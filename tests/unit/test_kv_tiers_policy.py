@@ -359,6 +359,23 @@ def test_below_pressure_everything_is_written_and_selection_starts_with_pressure
     assert q.threshold(0.0, 0.0) == 2 and q.admit(["a"], 0.0, 0.0).admitted == 0
 
 
+def test_start_active_assumes_reuse_until_the_window_shows_none() -> None:
+    """With `start_active` a fresh policy writes every page (as stock) until `reuse_window` lookups in
+    a row reuse nothing; then it is dormant as one that started so, and reuse wakes it again."""
+    p = PersistencePolicy(min_reuse=2, write_all_below_pressure=True, reuse_window=3, start_active=True)
+    assert not p.dormant() and p.admit(["first"], 0.0, 0.0).admitted == 1
+    p.note_request(False)
+    p.note_request(False)
+    assert not p.dormant()  # two one-off lookups: the assumed reuse is still in the window
+    p.note_request(False)
+    assert p.dormant() and p.admit(["one-off"], 0.0, 0.0).admitted == 0
+    p.note_request(True)
+    assert not p.dormant()
+    # without a window write-all holds always; the assumption changes nothing there
+    q = PersistencePolicy(min_reuse=2, write_all_below_pressure=True, reuse_window=0, start_active=True)
+    assert not q.dormant() and q.reuse_seen()
+
+
 def test_write_all_waits_for_a_sign_of_reuse() -> None:
     """With a reuse window, write-all holds only while recent lookups reused something: a workload
     of one-off prompts writes nothing (pages need `min_reuse` sightings), and one reused lookup

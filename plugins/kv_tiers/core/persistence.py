@@ -30,7 +30,11 @@ last `reuse_window` requests (L3 lookups) reused something (extended a cached pr
 or a page was offered again. Without such a sign (at start, or a workload of one-off prompts)
 the policy is *dormant*: it selects as under pressure (a page needs `min_reuse` sightings,
 counted in memory; continuations their first), so a workload without reuse writes nothing to
-L3 and leaves no offer markers.
+L3 and leaves no offer markers. With `start_active` a fresh policy assumes reuse, as if its
+window held one reused lookup: it writes everything (as stock write-through) until
+`reuse_window` lookups in a row show none. Instances sharing a store mostly need that: a page
+one instance held back while dormant is invisible to the others, and the first requests after
+a start are where a restarted instance's neighbours look for its pages.
 """
 from __future__ import annotations
 
@@ -114,6 +118,7 @@ class PersistencePolicy:
         max_keys: int = 200_000,
         write_all_below_pressure: bool = False,
         reuse_window: int = 0,
+        start_active: bool = False,
     ) -> None:
         if min_reuse < 1:
             raise ValueError(f"min_reuse must be >= 1, got {min_reuse}")
@@ -133,6 +138,10 @@ class PersistencePolicy:
         self.reuse_window = reuse_window
         self._recent: deque[bool] = deque(maxlen=max(1, reuse_window))
         self._recent_reused = 0
+        if start_active and reuse_window:
+            # reuse is assumed at start, until `reuse_window` lookups in a row show none
+            self._recent.append(True)
+            self._recent_reused = 1
         self._reuse_lock = threading.Lock()
 
     def note_request(self, reused: bool) -> None:
