@@ -5,7 +5,7 @@ that measure them are separate runs (the reuse traces at long contexts, the no-r
 recorded under its own name by bench_tiers.py; this copies their runs, unchanged and each with the
 command that produced it, into kv_tiers.json:
 
-    python benchmarks/kv_tiers/headline.py kv_tiers_long16 kv_tiers_unique_diag
+    python benchmarks/kv_tiers/headline.py kv_tiers_long16 kv_tiers_unique_r4
 """
 from __future__ import annotations
 
