@@ -61,3 +61,28 @@ def test_ring_and_allgather_match_full_attention(world: int, tmp_path: Path) -> 
     except Exception as exc:  # surface the worker's own traceback
         errs = "".join(p.read_text() for p in sorted(tmp_path.glob("rank*.err")))
         raise AssertionError(f"ring_cp worker failed:\n{errs or exc}") from exc
+
+
+def _wide_cases() -> list[dict[str, Any]]:
+    """Uneven lengths, GQA 7:1, zigzag and contiguous, 1 and 3 chunks (the shapes a user tried)."""
+    cases: list[dict[str, Any]] = []
+    seed = 200
+    for mode in ("zigzag", "contiguous"):
+        for chunks in (1, 3):
+            seed += 1
+            cases.append(dict(seed=seed, seq_lens=[297, 303, 5], h=14, hkv=2, d=16, causal=True, mode=mode,
+                              chunks=chunks, tol=FP32_TOL))
+    return cases
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [5, 8])
+def test_ring_matches_full_attention_at_5_and_8_ranks(world: int, tmp_path: Path) -> None:
+    init_file = str(tmp_path / "pg_init")
+    ctx = mp.spawn(run_cases, args=(world, init_file, _wide_cases(), str(tmp_path)), nprocs=world, join=False)
+    try:
+        while not ctx.join(timeout=300):
+            pass
+    except Exception as exc:  # surface the worker's own traceback
+        errs = "".join(p.read_text() for p in sorted(tmp_path.glob("rank*.err")))
+        raise AssertionError(f"ring_cp worker failed:\n{errs or exc}") from exc

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from kllm_plugins.plugins.ring_cp.core.block_attn import BlockAttention, default_scale, torch_block_attention
 from kllm_plugins.plugins.ring_cp.core.lse_merge import PartialAttention
 from kllm_plugins.plugins.ring_cp.core.ring_attention import KVLayout, kv_views, run_items
+from kllm_plugins.plugins.ring_cp.core.shape_checks import check_dense_inputs, check_group
 from kllm_plugins.plugins.ring_cp.core.shard_plan import ShardPlan
 
 
@@ -39,6 +40,8 @@ def gather_full_kv(
 ) -> list[torch.Tensor]:
     """All-gather every rank's shard and return the packed full-batch K/V (one tensor per payload part)."""
     world = plan.world
+    if world > 1:
+        check_group(plan, group)
     lens = [plan.local_len(r) for r in range(world)]
     max_len = max(lens)
     stats.local_kv_bytes = sum(p.numel() * p.element_size() for p in payload)
@@ -83,6 +86,10 @@ def allgather_attention(
     stats: GatherStats | None = None, full_kv: Sequence[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `ring_attention`; `full_kv` skips the gather (compute-only timing)."""
+    if full_kv is None:
+        check_dense_inputs(q, payload, plan, rank, layout, v_dim)
+    else:
+        check_dense_inputs(q, full_kv, plan, rank, layout, v_dim, tokens=plan.total)
     attn = attn or torch_block_attention
     scale = scale if scale is not None else default_scale(q.shape[-1])
     stats = stats if stats is not None else GatherStats()

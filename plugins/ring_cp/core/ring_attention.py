@@ -25,6 +25,7 @@ import torch
 from kllm_plugins.plugins.ring_cp.core.block_attn import BlockAttention, default_scale, torch_block_attention
 from kllm_plugins.plugins.ring_cp.core.lse_merge import PartialAttention
 from kllm_plugins.plugins.ring_cp.core.ring_comm import RingExchanger
+from kllm_plugins.plugins.ring_cp.core.shape_checks import check_chunks, check_dense_inputs, check_group
 from kllm_plugins.plugins.ring_cp.core.shard_plan import Segment, ShardPlan
 
 KVLayout = Literal["kv", "latent"]
@@ -197,8 +198,8 @@ def ring_attention(
     Returns out (T_local, H, Dv) in q's dtype and lse (T_local, H) in fp32.
     `comm=False` runs the identical compute schedule without transfers (for timing).
     """
-    if chunks_per_shard < 1:
-        raise ValueError(f"chunks_per_shard must be >= 1, got {chunks_per_shard}")
+    check_chunks(chunks_per_shard)
+    check_dense_inputs(q, payload, plan, rank, layout, v_dim)
     attn = attn or torch_block_attention
     scale = scale if scale is not None else default_scale(q.shape[-1])
     stats = stats if stats is not None else RingStats()
@@ -222,6 +223,8 @@ def ring_attention(
         k, v = kv_views(tensors, layout, v_dim)
         run_items(acc, q, k, v, items, attn, scale)
 
+    if comm and plan.world > 1:
+        check_group(plan, group)
     exchanger = RingExchanger(group) if comm and plan.world > 1 else None
     run_ring(payload, plan, rank, chunks_per_shard, compute_own, compute_remote, exchanger, stats)
     return acc.result(q.dtype)

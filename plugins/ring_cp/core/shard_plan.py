@@ -53,6 +53,8 @@ class ShardPlan:
             raise ValueError(f"world must be >= 1, got {world}")
         if mode not in ("zigzag", "contiguous"):
             raise ValueError(f"mode must be 'zigzag' or 'contiguous', got {mode!r}")
+        if len(seq_lens) == 0:
+            raise ValueError("seq_lens must name at least one sequence, got []")
         if any(int(n) < 1 for n in seq_lens):
             raise ValueError(f"seq_lens must all be >= 1, got {list(seq_lens)}")
         nblocks = 2 * world if mode == "zigzag" else world

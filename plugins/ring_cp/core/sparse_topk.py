@@ -30,6 +30,7 @@ from kllm_plugins.plugins.ring_cp.core.block_attn import default_scale
 from kllm_plugins.plugins.ring_cp.core.lse_merge import PartialAttention
 from kllm_plugins.plugins.ring_cp.core.ring_attention import RingStats, run_ring
 from kllm_plugins.plugins.ring_cp.core.ring_comm import RingExchanger
+from kllm_plugins.plugins.ring_cp.core.shape_checks import check_chunks, check_group, check_sparse_inputs
 from kllm_plugins.plugins.ring_cp.core.shard_plan import ShardPlan
 
 SPARSE_KERNELS = ("torch", "triton")
@@ -91,6 +92,10 @@ def allgather_sparse_attention(
     each, merged in place: the same cache locality the ring's per-chunk launches get, offered to
     the baseline too, so a ring win cannot come from locality alone.
     """
+    if full_latent is None:
+        check_sparse_inputs(q, latent, topk_idx, plan, rank, v_dim)
+    else:
+        check_sparse_inputs(q, full_latent, topk_idx, plan, rank, v_dim, tokens=plan.total)
     scale = scale if scale is not None else default_scale(q.shape[-1])
     v_dim = v_dim or latent.shape[-1]
     if full_latent is None:
@@ -199,6 +204,8 @@ def ring_sparse_attention(
     kernel: str = "torch", kernel_config: int | None = None, tables: GroupTables | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ring counterpart of `allgather_sparse_attention` (same result); `tables` may be cached per plan."""
+    check_chunks(chunks_per_shard)
+    check_sparse_inputs(q, latent, topk_idx, plan, rank, v_dim)
     scale = scale if scale is not None else default_scale(q.shape[-1])
     v_dim = v_dim or latent.shape[-1]
     stats = stats if stats is not None else RingStats()
@@ -237,6 +244,8 @@ def ring_sparse_attention(
     def compute_remote(tensors: Any, src: int, c: int) -> None:
         attend(tensors[0], tables.group(rank, src, c, world, chunks_per_shard))
 
+    if comm and world > 1:
+        check_group(plan, group)
     exchanger = RingExchanger(group) if comm and world > 1 else None
     run_ring([latent], plan, rank, chunks_per_shard, compute_own, compute_remote, exchanger, stats)
     if kernel == "triton":
