@@ -30,7 +30,33 @@ class RouterConfig:
     """Time allowed until the first byte of a streamed answer before the request is retried elsewhere
     (a non-streamed answer has no visible first token: its whole answer gets request_timeout_s)."""
     max_retries: int = 1
-    """Retries on another instance when one fails before the first token."""
+    """Retries on another instance when one fails before the first token. A request whose instance
+    died under it (the connection dropped with no answer) is retried at most once whatever this says,
+    and never after a second such crash: it is refused for poison_quarantine_s instead."""
+    stall_timeout_s: float = 30.0
+    """Longest silence between two pieces of a started stream before it is ended with an error event
+    (the request is aborted on its instance)."""
+    poison_quarantine_s: float = 600.0
+    """How long an identical request that crashed two instances is refused (HTTP 422) without being sent."""
+    validate_inputs: bool = True
+    """Refuse token ids outside the model's vocabulary and prompts longer than its context (HTTP 400),
+    where the instances tell the router both (vocabulary: the model's config.json next to the router)."""
+    liveness_interval_s: float = 0.5
+    """Seconds between liveness probes of each routable instance (GET /model_info, answered by the
+    HTTP process without the scheduler); 0 disables them (only the health checks remain)."""
+    liveness_timeout_s: float = 1.5
+    """A liveness probe unanswered this long counts as a miss; liveness_failures misses in a row mark
+    the instance down and fail over requests on it that have no token yet."""
+    liveness_failures: int = 2
+    """Consecutive missed liveness probes before an instance is marked down."""
+    header_timeout_s: float = 10.0
+    """Time a client has to send a request head (HTTP 408 and close after it)."""
+    body_timeout_s: float = 30.0
+    """Time a client has to send a request body once its head arrived (HTTP 408 and close after it)."""
+    idle_timeout_s: float = 30.0
+    """An idle keep-alive client connection is closed after this many seconds."""
+    max_client_connections: int = 2048
+    """Open connections allowed from one client address (more are answered 503 and closed; 0: no cap)."""
     max_body_bytes: int = 8 * 1024 * 1024
     """Largest accepted request body; larger ones get HTTP 413."""
     health_interval_s: float = 2.0
@@ -84,7 +110,8 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         for name in ("ttft_target_s", "tpot_target_s", "request_timeout_s", "first_token_timeout_s",
-                     "health_interval_s", "load_window_s"):
+                     "health_interval_s", "load_window_s", "stall_timeout_s", "liveness_timeout_s",
+                     "header_timeout_s", "body_timeout_s", "idle_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("loads_interval_s", "scale_interval_s", "scale_up_sustain_s", "scale_down_sustain_s",
@@ -97,6 +124,11 @@ class RouterConfig:
             raise ValueError(f"affinity_block_chars must be >= 1, got {self.affinity_block_chars}")
         if self.affinity_max_blocks < 1:
             raise ValueError(f"affinity_max_blocks must be >= 1, got {self.affinity_max_blocks}")
+        for name in ("poison_quarantine_s", "liveness_interval_s", "max_client_connections"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.liveness_failures < 1:
+            raise ValueError(f"liveness_failures must be >= 1, got {self.liveness_failures}")
         if self.max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
         if self.max_body_bytes < 1024:

@@ -8,6 +8,7 @@ options still go through the host so they come from `--kllm-bigpd-router-*` flag
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from kllm_plugins.hookspecs import hookimpl
 from kllm_plugins.plugins.bigpd_router.config import POLICIES, RouterConfig
@@ -28,6 +29,16 @@ _HELP = {
     "first_token_timeout_s": "time to the first byte before retrying elsewhere",
     "max_retries": "retries on another instance when one fails before the first token",
     "max_body_bytes": "largest accepted request body (HTTP 413 above)",
+    "stall_timeout_s": "longest silence between two pieces of a started stream before it ends with an error",
+    "poison_quarantine_s": "seconds an identical request that crashed two instances is refused (HTTP 422)",
+    "validate_inputs": "refuse token ids outside the vocabulary and prompts over the context (HTTP 400)",
+    "liveness_interval_s": "seconds between liveness probes of each instance (0: off)",
+    "liveness_timeout_s": "a liveness probe unanswered this long is a miss",
+    "liveness_failures": "missed liveness probes in a row before an instance is marked down",
+    "header_timeout_s": "seconds a client has to send a request head (HTTP 408)",
+    "body_timeout_s": "seconds a client has to send a request body (HTTP 408)",
+    "idle_timeout_s": "seconds before an idle keep-alive client connection is closed",
+    "max_client_connections": "open connections allowed per client address (0: no cap)",
     "health_interval_s": "seconds between active health checks",
     "health_failures": "consecutive failures before an instance is unhealthy",
     "loads_interval_s": "seconds between /v1/loads polls (0: off)",
@@ -81,3 +92,15 @@ def kllm_declare() -> PluginSpec:
         ),
         config_factory=RouterConfig,
     )
+
+
+@hookimpl
+def kllm_readiness(config: Any, server_args: Any) -> str | None:
+    """Inside a server the plugin only adapts Mooncake PD transfer; the router is `kllm-router`."""
+    mode = getattr(server_args, "disaggregation_mode", "null")
+    backend = getattr(server_args, "disaggregation_transfer_backend", "mooncake")
+    if mode not in ("prefill", "decode") or backend != "mooncake":
+        return ("in a server bigpd_router only adapts Mooncake PD transfer, which is off "
+                f"(disaggregation_mode={mode}, transfer backend {backend}); add --disaggregation-mode prefill|decode "
+                "--disaggregation-transfer-backend mooncake, and run the router itself as `kllm-router`")
+    return None

@@ -179,6 +179,18 @@ class Registry:
         self._emit("remove", inst)
         return inst
 
+    def mark_down(self, url: str, reason: str) -> None:
+        """Liveness lost (probes unanswered, a request dropped): unhealthy now, not after more misses."""
+        with self._lock:
+            inst = self._by_url.get(url)
+            if inst is None or inst.health in (Health.DRAINING, Health.UNHEALTHY, Health.STARTING):
+                return
+            before = inst.health
+            inst.failures = max(inst.failures, self._health_failures)
+            inst.health = Health.UNHEALTHY
+        log.warning("instance health url=%s %s->unhealthy: %s", url, before.value, reason)
+        self._emit("health", inst)
+
     def mark_check(self, url: str, ok: bool) -> None:
         """Record one health-check (or request) outcome; flips health after `health_failures` misses."""
         with self._lock:

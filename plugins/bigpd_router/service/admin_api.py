@@ -1,7 +1,9 @@
 """Layer: service (no SGLang import). Endpoints other than generation: health, metrics, models, admin.
 
 `GET /health` (503 while no instance can serve or while shutting down), `GET /metrics`
-(Prometheus), `GET /v1/models` and model info passed through to an instance, and the admin API:
+(Prometheus), `GET /v1/models` and model info passed through to an instance, `/server_info`
+(an instance's, or in PD mode `{"prefill": [...], "decode": [...]}` as SGLang's own router answers),
+`/flush_cache` sent to every instance, and the admin API:
 `GET/POST/DELETE /admin/instances` (DELETE drains first) and `GET /admin/loads`.
 """
 from __future__ import annotations
@@ -37,6 +39,10 @@ class AdminApi:
         }
         for path in ("/v1/models", "/model_info", "/get_model_info"):
             self.routes[("GET", path)] = self.passthrough_get
+        for path in ("/server_info", "/get_server_info"):
+            self.routes[("GET", path)] = self.server_info
+        for method in ("GET", "POST"):
+            self.routes[(method, "/flush_cache")] = self.flush_cache
 
     def _error(self, ex: Exchange, status: int, message: str, kind: str = "invalid_request_error") -> None:
         ex.reply(status, error_body(status, message, "", kind))
@@ -57,10 +63,59 @@ class AdminApi:
         if not cands:
             return self._error(ex, 503, "no instance available", "unavailable")
         try:
-            async with session.get(cands[0].url + ex.head.path, timeout=aiohttp.ClientTimeout(total=10)) as r:
+            path = ex.head.path + ("?" + ex.head.query if ex.head.query else "")
+            async with session.get(cands[0].url + path, timeout=aiohttp.ClientTimeout(total=10)) as r:
                 ex.reply(r.status, await r.read(), r.content_type)
         except NET_ERRORS as exc:
             self._error(ex, 502, f"{cands[0].url}: {exc!r}", "upstream_error")
+
+    async def server_info(self, ex: Exchange) -> None:
+        session = self.r.session
+        assert session is not None
+        cands = [i for i in self.r.registry if i.routable]
+        if not cands:
+            return self._error(ex, 503, "no instance available", "unavailable")
+
+        async def one(url: str) -> object:
+            async with session.get(url + "/server_info", timeout=aiohttp.ClientTimeout(total=10)) as r:
+                return await r.json(content_type=None) if r.status == 200 else None
+
+        if not self.r.pd_mode():
+            inst = next((i for i in cands if i.role is Role.PLAIN), cands[0])
+            try:
+                info = await one(inst.url)
+            except (*NET_ERRORS, ValueError) as exc:
+                return self._error(ex, 502, f"{inst.url}: {exc!r}", "upstream_error")
+            return ex.reply_json(200, info) if info is not None else self._error(
+                ex, 502, f"{inst.url} did not answer /server_info", "upstream_error")
+        out: dict[str, list[object]] = {"prefill": [], "decode": []}
+        pd = [i for i in cands if i.role in (Role.PREFILL, Role.DECODE)]
+        infos = await asyncio.gather(*(one(i.url) for i in pd), return_exceptions=True)
+        for inst, info in zip(pd, infos):
+            if isinstance(info, dict):
+                out[inst.role.value].append(info)
+        ex.reply_json(200, out)
+
+    async def flush_cache(self, ex: Exchange) -> None:
+        """Every instance's prefix cache (SGLang /flush_cache, its query passed on); 200 only if all flushed."""
+        session = self.r.session
+        assert session is not None
+        insts = [i for i in self.r.registry if i.routable]
+        if not insts:
+            return self._error(ex, 503, "no instance available", "unavailable")
+        path = "/flush_cache" + ("?" + ex.head.query if ex.head.query else "")
+
+        async def one(url: str) -> tuple[int, str]:
+            async with session.post(url + path, timeout=aiohttp.ClientTimeout(total=60)) as r:
+                return r.status, (await r.read())[:200].decode(errors="replace")
+
+        results = await asyncio.gather(*(one(i.url) for i in insts), return_exceptions=True)
+        failed = {i.url: (repr(res) if isinstance(res, BaseException) else res[1])
+                  for i, res in zip(insts, results) if isinstance(res, BaseException) or res[0] != 200}
+        if failed:
+            return self._error(ex, 502, f"flush failed on {len(failed)} of {len(insts)} instances: {failed}",
+                               "upstream_error")
+        ex.reply(200, f"Cache flushed on {len(insts)} instances.\n".encode(), "text/plain")
 
     async def health(self, ex: Exchange) -> None:
         r = self.r

@@ -1,8 +1,9 @@
 """Layer: service (no SGLang import). The router's background loops.
 
 Active health checks (and re-probing of instances that come up), polling of SGLang's
-`/v1/loads`, removal of drained instances, the scaling controller, and pruning of idle
-upstream connections. Each loop survives its own failures.
+`/v1/loads`, removal of drained instances, the scaling controller (instances it adds are
+checked at once, so a promoted standby serves without waiting for the next health round), and
+pruning of idle upstream connections. Each loop survives its own failures.
 """
 from __future__ import annotations
 
@@ -125,6 +126,7 @@ class ControlLoops:
         r = self.r
         assert r.controller is not None
         discover = getattr(r.actuator, "discover", None)
+        check_timeout = aiohttp.ClientTimeout(total=max(5.0, r.cfg.health_interval_s))
         # one period before the first decision: instances given at start-up are registered after the
         # loops start, and an empty pool would otherwise look "below minimum" and start servers
         await asyncio.sleep(r.cfg.scale_interval_s)
@@ -136,7 +138,12 @@ class ControlLoops:
                             if url not in r.registry:
                                 inst = await r.add_instance(url, role, managed=True)
                                 log.info("discovered instance url=%s role=%s", inst.url, role.value)
+                before = {i.url for i in r.registry}
                 decisions = await asyncio.to_thread(r.controller.step)
+                # an instance added by this step may be serving already (a promoted standby): check
+                # it now rather than at the next health round, so it takes traffic at once
+                joined = [i for i in r.registry if i.url not in before and i.health is Health.STARTING]
+                await asyncio.gather(*(self._check(i, check_timeout) for i in joined), return_exceptions=True)
                 for d in decisions:
                     if d.action != "hold":
                         r.metrics.scale_actions.labels(d.role.value, d.action).inc()

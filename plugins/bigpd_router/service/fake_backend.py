@@ -29,6 +29,8 @@ class FakeBackend:
     capacity_tokens: int = 4096
     fail_after_events: int = -1
     """Drop the connection after this many stream events (-1: never)."""
+    stall_after_events: int = -1
+    """Go silent (hold the connection, send nothing) after this many stream events (-1: never)."""
     status_override: int = 0
     """Answer every generation request with this HTTP status (0: normal)."""
     healthy: bool = True
@@ -40,6 +42,15 @@ class FakeBackend:
     pd_role_switch: bool = False
     """Started with --enable-pd-role-switch: /server_info says so and, like SGLang 0.5.23, keeps
     reporting the launch role after a switch."""
+    crash_on: str = ""
+    """A request whose body contains this text 'kills' the server: that connection and every later
+    one are dropped with no answer (a stand-in for SGLang's scheduler dying of a bad token id)."""
+    model_path: str = ""
+    """What /model_info reports as model_path (a folder with a config.json gives the vocabulary)."""
+    context_len: int = 0
+    """max_model_len in /v1/models (0: not reported)."""
+    dead: bool = False
+    flushes: int = 0
     _cache: set[str] = field(default_factory=set)
     _launch_role: str = ""
 
@@ -57,7 +68,10 @@ class FakeBackend:
         return n
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[self._dead_drop])
+        app.router.add_get("/model_info", self.model_info)
+        app.router.add_get("/get_model_info", self.model_info)
+        app.router.add_route("*", "/flush_cache", self.flush_cache)
         app.router.add_get("/health", self.health)
         app.router.add_get("/server_info", self.server_info)
         app.router.add_get("/v1/loads", self.loads)
@@ -67,6 +81,22 @@ class FakeBackend:
         app.router.add_post("/v1/completions", self.gen)
         app.router.add_post("/v1/chat/completions", self.gen)
         return app
+
+    @web.middleware
+    async def _dead_drop(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if self.dead:
+            assert request.transport is not None
+            request.transport.close()
+            raise ConnectionResetError("fake backend is dead")
+        return await handler(request)
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"model_path": self.model_path, "tokenizer_path": self.model_path,
+                                  "is_generation": True})
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        self.flushes += 1
+        return web.Response(text="Cache flushed.\n")
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=200 if self.healthy else 503)
@@ -99,10 +129,19 @@ class FakeBackend:
         return web.json_response({"success": True, "old_role": old, "new_role": new})
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "fake", "object": "model"}]})
+        model: dict[str, Any] = {"id": "fake", "object": "model"}
+        if self.context_len:
+            model["max_model_len"] = self.context_len
+        return web.json_response({"object": "list", "data": [model]})
 
     async def gen(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
+        raw = await request.read()
+        body = json.loads(raw)
+        if self.crash_on and self.crash_on.encode() in raw:
+            self.dead = True
+            assert request.transport is not None
+            request.transport.close()
+            raise ConnectionResetError("fake backend died of a poison request")
         if self.record:
             self.requests.append({"path": request.path, "body": body, "rid": request.headers.get("X-Request-Id")})
         if self.status_override:
@@ -119,17 +158,20 @@ class FakeBackend:
                 "cached_tokens": self.cached_chars(prompt) // 4}
         self.running += 1
         try:
-            if self.ttft_s:
-                await asyncio.sleep(self.ttft_s)
+            if self.ttft_s and not await _sleep_unless_gone(request, self.ttft_s):
+                return web.Response(status=499)
             if not body.get("stream"):
-                if self.tpot_s and n > 1:
-                    await asyncio.sleep(self.tpot_s * (n - 1))
+                if self.tpot_s and n > 1 and not await _sleep_unless_gone(request, self.tpot_s * (n - 1)):
+                    return web.Response(status=499)  # like SGLang: the client left, the request is aborted
                 return web.json_response(self._final(request.path, n, meta))
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
             for i in range(n):
-                if i and self.tpot_s:
-                    await asyncio.sleep(self.tpot_s)
+                if i and self.tpot_s and not await _sleep_unless_gone(request, self.tpot_s):
+                    return resp
+                if i == self.stall_after_events:
+                    await _sleep_unless_gone(request, 3600)
+                    return resp
                 if i == self.fail_after_events:
                     assert request.transport is not None
                     request.transport.close()
@@ -167,6 +209,18 @@ class FakeBackend:
                              "finish_reason": "length" if i == n - 1 else None}]}
 
 
+async def _sleep_unless_gone(request: web.Request, seconds: float) -> bool:
+    """Sleep, waking early (False) when the client's connection closes: aiohttp does not cancel
+    the handler then, SGLang aborts the request."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + seconds
+    while (left := end - loop.time()) > 0:
+        if request.transport is None or request.transport.is_closing():
+            return False
+        await asyncio.sleep(min(left, 0.05))
+    return True
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="fake SGLang server for router tests and benchmarks")
     ap.add_argument("--host", default="127.0.0.1")
@@ -175,9 +229,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tpot-s", type=float, default=0.0)
     ap.add_argument("--disaggregation-mode", default="null")
     ap.add_argument("--disaggregation-bootstrap-port", type=int, default=8998)
+    ap.add_argument("--crash-on", default="", help="a request whose body contains this text kills the server")
     args, _ = ap.parse_known_args(argv)  # SGLang flags from an actuator are accepted and ignored
     fb = FakeBackend(ttft_s=args.ttft_s, tpot_s=args.tpot_s, role=args.disaggregation_mode,
-                     bootstrap_port=args.disaggregation_bootstrap_port, record=False)
+                     bootstrap_port=args.disaggregation_bootstrap_port, record=False, crash_on=args.crash_on)
     web.run_app(fb.app(), host=args.host, port=args.port, print=None, access_log=None)
 
 

@@ -7,6 +7,13 @@ decode side's answer is relayed. An attempt that fails before anything reached t
 retried on other instances; after that a failure ends the stream with an explicit error event.
 Per request the body is parsed once (validation and the affinity prompt), nothing is
 re-encoded in plain mode, and no task is created outside PD mode.
+
+Hostile conditions: token ids outside the vocabulary (or prompts over the context) are refused
+before they reach an instance; a request whose instance dropped the connection under it is
+retried at most once and, if it drops a second instance, quarantined (`core.poison`). Deadlines,
+stalls, instances marked down and clients that leave are seen by the `watchdog`, which cancels
+the handler with a reason turned here into a retry (nothing sent yet), an error event (stream
+started) or a 499 (client gone; the upstream connection is closed, which aborts the request).
 """
 from __future__ import annotations
 
@@ -19,7 +26,9 @@ import time
 from typing import TYPE_CHECKING, Any, Awaitable
 from urllib.parse import urlsplit
 
+from kllm_plugins.plugins.bigpd_router.core.input_limits import token_id_problem
 from kllm_plugins.plugins.bigpd_router.core.pairing import NoInstance
+from kllm_plugins.plugins.bigpd_router.core.poison import PoisonLedger, fingerprint
 from kllm_plugins.plugins.bigpd_router.core.registry import Instance, Role
 from kllm_plugins.plugins.bigpd_router.core.request_shape import BadRequest, RequestShape, loads, parse
 from kllm_plugins.plugins.bigpd_router.core.slo_load import backlog_tokens
@@ -27,6 +36,7 @@ from kllm_plugins.plugins.bigpd_router.service.front_server import Exchange, dum
 from kllm_plugins.plugins.bigpd_router.service.http_wire import BadHttp
 from kllm_plugins.plugins.bigpd_router.service.upstream import PATHS, BeforeFirstToken, Ticket
 from kllm_plugins.plugins.bigpd_router.service.upstream_pool import UpstreamPool, UpstreamResponse
+from kllm_plugins.plugins.bigpd_router.service.watchdog import Watch, Watchdog
 
 if TYPE_CHECKING:
     from kllm_plugins.plugins.bigpd_router.service.router import Router
@@ -34,6 +44,20 @@ if TYPE_CHECKING:
 log = logging.getLogger("kllm.bigpd_router.router")
 ENDPOINTS = {"/generate": "generate", "/v1/completions": "completions", "/v1/chat/completions": "chat"}
 UPSTREAM_ERRORS = (ConnectionError, OSError, BadHttp)
+
+
+class ClientGone(Exception):
+    """The client closed or reset its connection while its request was in flight."""
+
+
+def _taken_back(watch: Watch) -> str | None:
+    """Inside `except CancelledError`: the watchdog's reason (the cancellation is withdrawn), or None
+    when the cancellation came from elsewhere (then the caller re-raises it)."""
+    reason = watch.reason
+    if reason is not None:
+        watch.task.uncancel()
+        watch.reason = None
+    return reason
 
 
 def error_body(status: int, message: str, rid: str, kind: str = "invalid_request_error") -> bytes:
@@ -64,6 +88,9 @@ class Proxy:
         self._rid_prefix = os.urandom(6).hex() + "-"
         self._rid_seq = itertools.count(1)
         self._counted: dict[tuple[str, int], Any] = {}
+        self.watchdog = Watchdog(down_grace_s=router.cfg.liveness_timeout_s,
+                                 on_fire=lambda reason: router.metrics.watchdog.labels(reason).inc())
+        self.poison = PoisonLedger(router.cfg.poison_quarantine_s)
 
     # ------------------------------------------------------------------ helpers
     def address(self, url: str) -> Address:
@@ -106,11 +133,50 @@ class Proxy:
             except BadRequest as exc:
                 self._error(ex, 400, str(exc), rid)
             else:
-                await self._route(ex, shape, rid)
-                self.r.metrics.e2e.observe(time.monotonic() - t0)
+                problem = self._input_problem(shape)
+                if problem is not None:
+                    self.r.metrics.refused.labels("input").inc()
+                    self._error(ex, 400, problem, rid)
+                elif self.poison and self.poison.quarantined(fingerprint(ex.body)):
+                    self.r.metrics.refused.labels("poison").inc()
+                    self._error(ex, 422, "refused: an identical request crashed two instances (connection dropped "
+                                "with no answer); it is not sent again until its quarantine ends", rid,
+                                "poison_request")
+                else:
+                    await self._watched(ex, shape, rid)
+                    self.r.metrics.e2e.observe(time.monotonic() - t0)
         self._count(endpoint, ex.status)
 
-    async def _route(self, ex: Exchange, shape: RequestShape, rid: str) -> None:
+    def _input_problem(self, shape: RequestShape) -> str | None:
+        lim = self.r.limits
+        if not self.r.cfg.validate_inputs or not lim.known or isinstance(shape.prompt, str):
+            return None
+        return token_id_problem(shape.prompt, lim.vocab_size, lim.context_len)
+
+    async def _watched(self, ex: Exchange, shape: RequestShape, rid: str) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        watch = Watch(task, ex)
+        wd = self.watchdog.active
+        wd.add(watch)
+        try:
+            await self._route(ex, shape, rid, watch)
+        except (ClientGone, asyncio.CancelledError) as exc:
+            if isinstance(exc, asyncio.CancelledError) and _taken_back(watch) is None:
+                raise
+            self.client_left(ex, "waiting")
+            log.info("request rid=%s endpoint=%s status=499 (client disconnected before the answer; aborted "
+                     "upstream)", rid, shape.endpoint, extra={"kllm": {"rid": rid, "endpoint": shape.endpoint,
+                                                                      "status": 499, "stream": shape.stream}})
+        finally:
+            wd.discard(watch)
+
+    def client_left(self, ex: Exchange, phase: str) -> None:
+        """The client went away: counted as 499 (and as a disconnect); nothing more is written to it."""
+        ex.status, ex.keep_alive = 499, False
+        self.r.metrics.disconnects.labels(phase).inc()
+
+    async def _route(self, ex: Exchange, shape: RequestShape, rid: str, watch: Watch) -> None:
         r = self.r
         excluded: set[str] = set()
         last: BeforeFirstToken | None = None
@@ -121,18 +187,31 @@ class Proxy:
                 if r.pd_mode():
                     p = r.choose_prefill(Role.PREFILL, shape, ptoks, frozenset(excluded))
                     d = r.picker.pick_decode(r.registry.pool(Role.DECODE), p, frozenset(excluded))
-                    return await self._attempt(ex, shape, rid, ptoks, d, p, attempt)
+                    return await self._attempt(ex, shape, rid, ptoks, d, p, attempt, watch)
                 inst = r.choose_prefill(Role.PLAIN, shape, ptoks, frozenset(excluded))
-                return await self._attempt(ex, shape, rid, ptoks, inst, None, attempt)
+                return await self._attempt(ex, shape, rid, ptoks, inst, None, attempt, watch)
             except NoInstance as exc:
                 if last is None:
                     return self._error(ex, 503, f"no instance available: {exc}", rid, "unavailable")
                 break
             except BeforeFirstToken as exc:
+                watch.disarm()
                 last = exc
                 excluded |= exc.urls
                 for url in exc.urls:
-                    r.registry.mark_check(url, False)
+                    if exc.crashed:
+                        r.registry.mark_down(url, "dropped a request with no answer")
+                    else:
+                        r.registry.mark_check(url, False)
+                if exc.crashed:
+                    crashes = self.poison.crashed(fingerprint(ex.body), min(exc.urls))
+                    if crashes >= 2:
+                        r.metrics.refused.labels("poison").inc()
+                        log.warning("poison request rid=%s crashed=%d instances; not retried", rid, crashes)
+                        return self._error(
+                            ex, 502, f"the request was on {crashes} instances that each dropped it with no answer "
+                            f"(last: {exc.reason}); it is not retried and identical requests are refused for "
+                            f"{r.cfg.poison_quarantine_s:.0f} s", rid, "poison_request")
                 if attempt < r.cfg.max_retries:
                     r.metrics.retries.labels("timeout" if exc.status == 504 else "error").inc()
                     log.warning("retrying rid=%s failed=%s reason=%s", rid, sorted(exc.urls), exc.reason)
@@ -143,11 +222,14 @@ class Proxy:
     # ------------------------------------------------------------------ one attempt
     async def _within(self, aw: Awaitable[Any], prefill_task: asyncio.Task[None] | None, timeout: float) -> Any:
         """Await `aw` within `timeout`; in PD mode fail early (blaming the prefill) if the prefill side fails."""
-        if prefill_task is None:
-            async with asyncio.timeout(timeout):
-                return await aw
+        if prefill_task is None:  # plain mode: the watchdog keeps the deadlines (no timer per read)
+            return await aw
         main = asyncio.ensure_future(aw)
-        done, _ = await asyncio.wait({main, prefill_task}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            done, _ = await asyncio.wait({main, prefill_task}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            main.cancel()
+            raise
         if main in done:
             return main.result()
         if prefill_task in done and prefill_task.exception() is not None:
@@ -160,7 +242,7 @@ class Proxy:
         raise TimeoutError
 
     async def _attempt(self, ex: Exchange, shape: RequestShape, rid: str, ptoks: int, inst: Instance,
-                       prefill: Instance | None, attempt: int) -> None:
+                       prefill: Instance | None, attempt: int, watch: Watch) -> None:
         r, cfg = self.r, self.r.cfg
         path = PATHS[shape.endpoint]
         auth = ex.header("authorization")
@@ -181,6 +263,8 @@ class Proxy:
         else:
             ticket = Ticket(inst, ptoks, backlog_tokens(inst))
         r.routed(shape.prompt, prefill or inst)
+        watch.arm(inst, ticket, cfg.first_token_timeout_s if shape.stream else cfg.request_timeout_s,
+                  cfg.request_timeout_s, cfg.stall_timeout_s)
         resp: UpstreamResponse | None = None
         try:
             try:
@@ -194,13 +278,25 @@ class Proxy:
                     return self._complete(ex, resp, data, shape, ticket, rid, attempt, prefill)
                 first = await self._within(resp.read_some(), prefill_task, cfg.first_token_timeout_s)
                 if not first:
-                    raise BeforeFirstToken({inst.url}, f"{inst.url} closed the stream before the first token")
+                    raise BeforeFirstToken({inst.url}, f"{inst.url} closed the stream before the first token",
+                                           crashed=True)
             except TimeoutError:
                 blame = {inst.url} | ({prefill.url} if prefill is not None else set())
                 raise BeforeFirstToken(blame, "no first token in time", 504) from None
             except UPSTREAM_ERRORS as exc:
-                raise BeforeFirstToken({inst.url}, f"{inst.url}: {exc!r}") from None
-            await self._stream(ex, resp, first, shape, ticket, pticket, rid, attempt, prefill)
+                # refused: the instance was down already; anything else: it dropped this request
+                raise BeforeFirstToken({inst.url}, f"{inst.url}: {exc!r}",
+                                       crashed=not isinstance(exc, ConnectionRefusedError)) from None
+            except asyncio.CancelledError:
+                reason = _taken_back(watch)
+                if reason is None:
+                    raise
+                if reason == "client":
+                    raise ClientGone from None
+                if reason == "down":
+                    raise BeforeFirstToken({inst.url}, f"{inst.url} was marked down (stopped answering)") from None
+                raise BeforeFirstToken({inst.url}, f"{inst.url} sent no answer in time", 504) from None
+            await self._stream(ex, resp, first, shape, ticket, pticket, rid, attempt, prefill, watch)
         except BeforeFirstToken:
             if prefill_task is not None:
                 prefill_task.cancel()
@@ -259,7 +355,8 @@ class Proxy:
         self._log(rid, shape, resp.status, ticket, prefill, attempt)
 
     async def _stream(self, ex: Exchange, resp: UpstreamResponse, first: bytes, shape: RequestShape, ticket: Ticket,
-                      pticket: Ticket | None, rid: str, attempt: int, prefill: Instance | None) -> None:
+                      pticket: Ticket | None, rid: str, attempt: int, prefill: Instance | None,
+                      watch: Watch) -> None:
         r = self.r
         ttft = ticket.first_token()
         if pticket is not None:
@@ -271,40 +368,53 @@ class Proxy:
                               ("X-Kllm-Instance", ticket.inst.url)))
         status, prev, older, piece, ending = 200, b"", b"", first, b""
         try:
-            async with asyncio.timeout_at(ticket.t0 + r.cfg.request_timeout_s):
-                while piece:
-                    n = piece.count(b"data:")
-                    if b"[DONE]" in piece:
-                        n -= 1
-                    ticket.events += n
-                    ticket.t_last = time.monotonic()
-                    await ex.send(piece)  # ConnectionError here: the client left
-                    older, prev = prev, piece
-                    try:
-                        piece = await resp.read_some()
-                    except UPSTREAM_ERRORS as exc:
-                        status = 502
-                        log.warning("stream broke rid=%s instance=%s error=%r", rid, ticket.inst.url, exc)
-                        r.registry.mark_check(ticket.inst.url, False)
-                        ending = sse_error(f"instance failed mid-stream: {exc!r}", status)
-                        break
-                else:
-                    if not prev.rstrip().endswith(b"[DONE]") and shape.endpoint != "generate":
-                        status = 502
-                        ending = sse_error("instance closed the stream early", status)
-        except TimeoutError:
-            status = 504
-            log.warning("stream timed out rid=%s instance=%s", rid, ticket.inst.url)
-            ending = sse_error("request timed out mid-stream", status)
+            while piece:
+                n = piece.count(b"data:")
+                if b"[DONE]" in piece:
+                    n -= 1
+                ticket.events += n
+                ticket.t_last = time.monotonic()
+                await ex.send(piece)  # ConnectionError here: the client left
+                older, prev = prev, piece
+                try:
+                    piece = await resp.read_some()
+                except UPSTREAM_ERRORS as exc:
+                    status = 502
+                    log.warning("stream broke rid=%s instance=%s error=%r", rid, ticket.inst.url, exc)
+                    r.registry.mark_check(ticket.inst.url, False)
+                    ending = sse_error(f"instance failed mid-stream: {exc!r}", status)
+                    break
+            else:
+                if not prev.rstrip().endswith(b"[DONE]") and shape.endpoint != "generate":
+                    status = 502
+                    ending = sse_error("instance closed the stream early", status)
+        except asyncio.CancelledError:
+            reason = _taken_back(watch)
+            if reason is None:
+                raise
+            if reason == "client":
+                status = 499
+            elif reason == "down":
+                status = 502
+                log.warning("stream ended rid=%s instance=%s: instance marked down", rid, ticket.inst.url)
+                ending = sse_error("instance stopped answering (marked down) mid-stream", status)
+            else:
+                status = 504
+                log.warning("stream timed out rid=%s instance=%s", rid, ticket.inst.url)
+                ending = sse_error(f"instance sent nothing for {r.cfg.stall_timeout_s:g} s mid-stream"
+                                   if time.monotonic() < watch.deadline else "request timed out mid-stream", status)
         except ConnectionError:
             status = 499  # the client went away; closing upstream aborts the request in SGLang
-            log.info("client disconnected rid=%s", rid)
-            resp.close()
+        watch.disarm()
         if status != 499:
             try:
                 await ex.end_stream(ending)
             except ConnectionError:
                 status = 499
+        if status == 499:
+            self.client_left(ex, "streaming")
+        else:
+            ex.status = status  # counted as what the client got in the end
         r.observe_usage(shape, _last_event(older + prev))
         tp = ticket.tpot()
         if tp is not None:

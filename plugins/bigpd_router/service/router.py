@@ -16,6 +16,7 @@ from typing import Any, AsyncIterator
 import aiohttp
 
 from kllm_plugins.plugins.bigpd_router.config import RouterConfig
+from kllm_plugins.plugins.bigpd_router.core.input_limits import ModelLimits
 from kllm_plugins.plugins.bigpd_router.core.kv_index import KvIndex
 from kllm_plugins.plugins.bigpd_router.core.pairing import Picker
 from kllm_plugins.plugins.bigpd_router.core.prefix_tree import Prompt, PrefixTree
@@ -34,9 +35,10 @@ from kllm_plugins.plugins.bigpd_router.service.admin_api import AdminApi
 from kllm_plugins.plugins.bigpd_router.service.control_loops import ControlLoops
 from kllm_plugins.plugins.bigpd_router.service.front_server import Exchange, FrontServer
 from kllm_plugins.plugins.bigpd_router.service.kv_events import KvEventFeed
+from kllm_plugins.plugins.bigpd_router.service.liveness import Liveness
 from kllm_plugins.plugins.bigpd_router.service.proxy import ENDPOINTS, Proxy
 from kllm_plugins.plugins.bigpd_router.service.router_metrics import RouterMetrics
-from kllm_plugins.plugins.bigpd_router.service.upstream import probe
+from kllm_plugins.plugins.bigpd_router.service.upstream import fetch_limits, probe
 
 log = logging.getLogger("kllm.bigpd_router.router")
 
@@ -73,6 +75,10 @@ class Router:
         self.proxy = Proxy(self)
         self.admin = AdminApi(self)
         self.loops = ControlLoops(self)
+        self.liveness = Liveness(self)
+        self.limits = ModelLimits()
+        """Vocabulary and context of the model served (first instance that tells); requests are checked on it."""
+        self.limits_from: set[str] = set()
         self.front: FrontServer | None = None
         self.shutting_down = False
         self.background: set[asyncio.Task[Any]] = set()
@@ -86,11 +92,17 @@ class Router:
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30, enable_cleanup_closed=True),
             timeout=aiohttp.ClientTimeout(total=None), auto_decompress=False)
         self._tasks = self.loops.start()
+        self._tasks.append(asyncio.create_task(self.proxy.watchdog.run()))
+        if self.cfg.liveness_interval_s > 0:
+            self._tasks.append(asyncio.create_task(self.liveness.run()))
 
     async def serve(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Start the background loops and the HTTP server; returns the port."""
         await self.start()
-        self.front = FrontServer(self.dispatch, self.cfg.max_body_bytes)
+        cfg = self.cfg
+        self.front = FrontServer(self.dispatch, cfg.max_body_bytes, cfg.header_timeout_s, cfg.body_timeout_s,
+                                 cfg.idle_timeout_s, cfg.max_client_connections,
+                                 count=lambda reason: self.metrics.client_events.labels(reason).inc())
         return await self.front.start(host, port)
 
     async def shutdown(self, timeout_s: float = 5.0) -> None:
@@ -165,7 +177,20 @@ class Router:
                         kv_events=info.get("kv_events"), tokenizer_path=info.get("tokenizer_path"))
         if info:
             inst.health = Health.HEALTHY
-        return self.registry.add(inst)
+        self.registry.add(inst)
+        if info:
+            await self.learn_limits(url)
+        return inst
+
+    async def learn_limits(self, url: str) -> None:
+        """Vocabulary size and context length from one instance (kept when already known)."""
+        if self.session is None or url in self.limits_from:
+            return
+        self.limits_from.add(url)
+        got = await fetch_limits(self.session, url)
+        if got.known and not self.limits.known:
+            self.limits = got
+            log.info("model limits from %s: vocab_size=%s context_len=%s", url, got.vocab_size, got.context_len)
 
     # ------------------------------------------------------------------ routing state
     def pool_load(self, role: Role) -> PoolLoad:

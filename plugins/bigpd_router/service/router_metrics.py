@@ -37,5 +37,20 @@ class RouterMetrics:
             "kllm_bigpd_router_prompt_tokens_total", "prompt tokens reported by instances")
         self.kv_lookups: Any = metrics.counter(
             "kllm_bigpd_router_kv_lookups_total", "prefill choices made on KV-event matches")
+        self.disconnects: Any = metrics.counter(
+            "kllm_bigpd_router_client_disconnects_total",
+            "requests whose client closed or reset the connection before the answer ended (logged as 499; "
+            "the upstream request is aborted)", ("phase",))
+        self.client_events: Any = metrics.counter(
+            "kllm_bigpd_router_client_connections_closed_total",
+            "client connections the router closed: header/body/idle timeouts, per-address cap, resets",
+            ("reason",))
+        self.refused: Any = metrics.counter(
+            "kllm_bigpd_router_refused_requests_total",
+            "requests refused before reaching an instance: invalid for the model (input), quarantined (poison)",
+            ("reason",))
+        self.watchdog: Any = metrics.counter(
+            "kllm_bigpd_router_watchdog_ends_total",
+            "requests the watchdog ended: client gone, no data in time, instance marked down", ("reason",))
         self.cached_tokens: Any = metrics.counter(
             "kllm_bigpd_router_cached_tokens_total", "prompt tokens the instances served from their prefix cache")

@@ -9,6 +9,7 @@ from typing import Any
 
 import aiohttp
 
+from kllm_plugins.plugins.bigpd_router.core.input_limits import ModelLimits, vocab_from_config
 from kllm_plugins.plugins.bigpd_router.core.registry import Instance, Role
 from kllm_plugins.plugins.bigpd_router.core.slo_load import decode_batch, observe_tpot
 
@@ -18,11 +19,13 @@ PATHS = {"generate": "/generate", "completions": "/v1/completions", "chat": "/v1
 class BeforeFirstToken(Exception):
     """An attempt failed before anything reached the client: it may be retried elsewhere."""
 
-    def __init__(self, urls: set[str], reason: str, status: int = 502) -> None:
+    def __init__(self, urls: set[str], reason: str, status: int = 502, crashed: bool = False) -> None:
         super().__init__(reason)
         self.urls = urls
         self.reason = reason
         self.status = status
+        self.crashed = crashed
+        """The instance took the request and dropped the connection with no answer (it may have died of it)."""
 
 
 async def probe(session: aiohttp.ClientSession, url: str, timeout_s: float = 5.0) -> dict[str, Any]:
@@ -121,3 +124,26 @@ class Ticket:
                 observe_tpot(self.inst, tp, decode_batch(self.inst))
             self.inst.decoding -= 1
         self.inst.in_flight -= 1
+
+
+async def fetch_limits(session: aiohttp.ClientSession, url: str, timeout_s: float = 5.0) -> ModelLimits:
+    """Vocabulary size and context length of the model an instance serves, as far as it tells:
+    /v1/models gives max_model_len, /model_info the model folder whose config.json has vocab_size."""
+    t = aiohttp.ClientTimeout(total=timeout_s)
+    vocab = ctx = None
+    try:
+        async with session.get(url + "/v1/models", timeout=t) as r:
+            if r.status == 200:
+                data = (await r.json(content_type=None)).get("data") or [{}]
+                v = data[0].get("max_model_len")
+                ctx = v if isinstance(v, int) and v > 0 else None
+        async with session.get(url + "/model_info", timeout=t) as r:
+            if r.status == 200:
+                info = await r.json(content_type=None)
+                v = info.get("vocab_size")
+                vocab = v if isinstance(v, int) and v > 0 else None
+                for key in ("model_path", "tokenizer_path"):
+                    vocab = vocab or vocab_from_config(info.get(key) if isinstance(info.get(key), str) else None)
+    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError, AttributeError, IndexError):
+        pass
+    return ModelLimits(vocab, ctx)

@@ -1,0 +1,58 @@
+"""Layer: service (no SGLang import). Liveness probes: is each instance's HTTP process answering?
+
+The health checks (`control_loops`) ask SGLang's /health, which a busy server may answer late,
+so they are patient: a stopped process (SIGSTOP, a hung host) took them over 13 s to see. This
+loop asks every routable instance for /model_info, which SGLang's HTTP process answers without
+the scheduler, every `liveness_interval_s`; `liveness_failures` probes in a row unanswered within
+`liveness_timeout_s` (or refused) mark the instance down at once, and the watchdog then fails over
+the requests on it that have no token yet. Taking an instance back stays with the health checks.
+The first answer of each instance also teaches the router the model's limits (`fetch_limits`).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+import aiohttp
+
+from kllm_plugins.plugins.bigpd_router.core.registry import Instance
+
+if TYPE_CHECKING:
+    from kllm_plugins.plugins.bigpd_router.service.router import Router
+
+log = logging.getLogger("kllm.bigpd_router.liveness")
+NET_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
+
+
+class Liveness:
+    def __init__(self, router: Router) -> None:
+        self.r = router
+        self.misses: dict[str, int] = {}
+
+    async def _probe(self, inst: Instance, timeout: aiohttp.ClientTimeout) -> None:
+        session = self.r.session
+        assert session is not None
+        try:
+            async with session.get(inst.url + "/model_info", timeout=timeout) as resp:
+                await resp.read()
+                ok = resp.status < 500
+        except NET_ERRORS:
+            ok = False
+        if ok:
+            self.misses.pop(inst.url, None)
+            if inst.url not in self.r.limits_from:
+                await self.r.learn_limits(inst.url)
+            return
+        n = self.misses[inst.url] = self.misses.get(inst.url, 0) + 1
+        if n >= self.r.cfg.liveness_failures and inst.routable:
+            self.r.registry.mark_down(inst.url, f"{n} liveness probes unanswered within "
+                                                f"{self.r.cfg.liveness_timeout_s:g} s")
+
+    async def run(self) -> None:
+        cfg = self.r.cfg
+        timeout = aiohttp.ClientTimeout(total=cfg.liveness_timeout_s)
+        while True:
+            insts = [i for i in self.r.registry if i.routable]
+            await asyncio.gather(*(self._probe(i, timeout) for i in insts), return_exceptions=True)
+            await asyncio.sleep(cfg.liveness_interval_s)
