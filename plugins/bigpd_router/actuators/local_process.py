@@ -18,7 +18,7 @@ import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from kllm_plugins.plugins.bigpd_router.core.registry import Role
 
@@ -53,6 +53,11 @@ class LocalProcessActuator:
     required before it captures decode CUDA graphs; SGLang refuses a flip to decode of an instance
     without captured graphs unless it is given). 0 checks nothing, which is right on CPU (no
     graphs); on GPUs give a measured footprint. None: not sent."""
+    stamp_log: bool = False
+    """With log_dir: prefix every line of an instance's log with the wall-clock time it was read
+    (time.time(), ms), so a start-up can be broken down below SGLang's one-second log stamps."""
+    started_at: dict[str, float] = field(default_factory=dict)
+    """URL -> time.time() just before the process was spawned."""
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     bootstrap_ports: dict[str, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -71,16 +76,20 @@ class LocalProcessActuator:
         boot = free_port(self.host) if role is Role.PREFILL or (self.role_switch and role is Role.DECODE) else None
         cmd = self.command(role, port, boot)
         url = f"http://{self.host}:{port}"
-        out = subprocess.DEVNULL
+        out: Any = subprocess.DEVNULL
         if self.log_dir:
             os.makedirs(self.log_dir, exist_ok=True)
             out = open(os.path.join(self.log_dir, f"sglang-{role.value}-{port}.log"), "wb")  # noqa: SIM115
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
-                                start_new_session=True)
-        if out is not subprocess.DEVNULL:
+        spawned = time.time()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE if self.stamp_log and self.log_dir else out,
+                                stderr=subprocess.STDOUT, env={**os.environ, **self.env}, start_new_session=True)
+        if self.stamp_log and self.log_dir:
+            threading.Thread(target=_stamp_lines, args=(proc, out), daemon=True).start()
+        elif out is not subprocess.DEVNULL:
             out.close()  # the child holds its own descriptor
         with self._lock:
             self.procs[url] = proc
+            self.started_at[url] = spawned
             if boot is not None:
                 self.bootstrap_ports[url] = boot
         log.info("started instance role=%s url=%s pid=%d cmd=%s", role.value, url, proc.pid,
@@ -91,6 +100,7 @@ class LocalProcessActuator:
         with self._lock:
             proc = self.procs.pop(url, None)
             self.bootstrap_ports.pop(url, None)
+            self.started_at.pop(url, None)
         if proc is None:
             return
         _stop_group(proc, self.stop_grace_s)
@@ -136,6 +146,14 @@ class LocalProcessActuator:
     def stop_all(self) -> None:
         for url in list(self.procs):
             self.remove(url)
+
+
+def _stamp_lines(proc: subprocess.Popen[bytes], out: Any) -> None:
+    assert proc.stdout is not None
+    with out:
+        for line in proc.stdout:
+            out.write(b"%.3f " % time.time() + line)
+            out.flush()
 
 
 def _stop_group(proc: subprocess.Popen[bytes], grace_s: float) -> None:

@@ -33,7 +33,9 @@ MIN_EXCESS = 0.1
 
 
 class Actuator(Protocol):
-    """What the controller needs from the thing that really starts and stops instances."""
+    """What the controller needs from the thing that really starts and stops instances. An
+    actuator may also offer `standby_seconds(now) -> float` (instance-seconds of instances it keeps
+    started but unregistered, e.g. a standby pool), counted in `ScalingController.instance_seconds`."""
 
     def add(self, role: Role) -> str | None:
         """Start one instance of `role`. Return its URL when known now (it joins as STARTING)."""
@@ -224,6 +226,23 @@ class ScalingController:
         self.deciders = {r: PoolDecider(r, policies[r]) for r in roles}
         self.clock = clock
         self.decisions: list[Decision] = []
+        self._serving_since: dict[str, float] = {}
+        """Instances this controller added -> when (their serving instance-seconds run from there)."""
+        self._serving_s = 0.0
+
+    def instance_seconds(self, now: float | None = None) -> dict[str, float]:
+        """Instance-seconds of what this controller manages: instances it added, from the add to
+        their stop (starting and draining time included), plus the actuator's standby time."""
+        now = self.clock() if now is None else now
+        serving = self._serving_s + sum(max(0.0, now - t) for t in self._serving_since.values())
+        fn = getattr(self.actuator, "standby_seconds", None)
+        standby = float(fn(now)) if callable(fn) else 0.0
+        return {"serving": serving, "standby": standby, "total": serving + standby}
+
+    def _stopped(self, url: str) -> None:
+        since = self._serving_since.pop(url, None)
+        if since is not None:
+            self._serving_s += max(0.0, self.clock() - since)
 
     def size(self, role: Role) -> int:
         """Members counted for scaling: healthy and starting ones, and those switching into the pool."""
@@ -249,6 +268,7 @@ class ScalingController:
                     continue
                 if inst.managed:
                     self.actuator.remove(inst.url, inst.role)
+                    self._stopped(inst.url)
                 stopped.append(inst.url)
         return stopped
 
@@ -314,7 +334,10 @@ class ScalingController:
                     url = self.actuator.add(role)
                     if url is not None and url not in self.registry:
                         self.registry.add(Instance(url=url, role=role, managed=True))
-                    log.info("scale up role=%s reason=%s url=%s", role.value, d.reason, url)
+                        self._serving_since.setdefault(url, now)
+                    how = getattr(self.actuator, "choices", {}).get(url)
+                    log.info("scale up role=%s reason=%s url=%s how=%s", role.value, d.reason, url,
+                             how.kind if how is not None else "start")
             elif d.action == "down":
                 for _ in range(d.count):
                     victim = self.pick_victim(role)

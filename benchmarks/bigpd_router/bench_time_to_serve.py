@@ -1,0 +1,325 @@
+"""Time-to-serve of a new SGLang instance on this CPU, broken down, for each way to add one.
+
+Real SGLang 0.5.23 servers on the kllm CPU platform behind kllm-router (not a simulation). Every
+measurement starts at the scaling controller's decision (its pool minimum is raised from 0 to 1
+with the router running) and ends when the first request sent through the router is answered
+by the new instance. Paths, interleaved per repeat:
+- cold: the page cache dropped first (`sync; echo 1 > /proc/sys/vm/drop_caches`, needs root;
+  the model file's cached fraction is read with fincore before the start and recorded);
+- warm: the same start right after another one (files in the page cache);
+- standby: a standby pool of one ready instance (`StandbyActuator`): the decision promotes it.
+Once per model (not on the decision path): `release`: POST /release_memory_occupation and
+/resume_memory_occupation on a ready idle instance, with its memory (PSS of its processes)
+before and after; `remote_instance`: a second server started with `--load-format
+remote_instance` from the first, and what SGLang answers.
+
+Start-up phases come from the instance's own log, each line stamped with the time it was read:
+spawn -> first log line (launch_server imports, argument parsing) -> scheduler process up
+("Init parallel begin": tokenizer manager, spawn and imports of the scheduler) -> weight load
+begins (model classes) -> weights loaded -> memory pools allocated -> HTTP server up -> SGLang's
+own warm-up done ("fired up") -> first routed request answered (router health check,
+registration, the request).
+
+    python benchmarks/bigpd_router/bench_time_to_serve.py --models tiny smollm2 --repeats 3
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import aiohttp
+
+from kllm_plugins.plugins.bigpd_router.actuators.local_process import LocalProcessActuator
+from kllm_plugins.plugins.bigpd_router.actuators.standby_actuator import (
+    StandbyActuator,
+    http_json,
+    process_group_memory_bytes,
+)
+from kllm_plugins.plugins.bigpd_router.config import RouterConfig
+from kllm_plugins.plugins.bigpd_router.core.registry import Health, Role
+from kllm_plugins.plugins.bigpd_router.core.standby_pool import StandbyPolicy, StandbyPool
+from kllm_plugins.plugins.bigpd_router.service.router import Router
+
+RESULTS = "benchmarks/results/bigpd_router_time_to_serve.json"
+ARGS = ["--max-total-tokens", "4096", "--sleep-on-idle"]
+MILESTONES = [
+    ("first_log", re.compile(r"^\[\d{4}-\d\d-\d\d ")),
+    ("scheduler_up", re.compile(r"Init parallel begin")),
+    ("load_begin", re.compile(r"Load weight begin")),
+    ("load_end", re.compile(r"Load weight end")),
+    ("pools_end", re.compile(r"Memory pool end")),
+    ("http_up", re.compile(r"Uvicorn running on")),
+    ("ready", re.compile(r"The server is fired up and ready to roll")),
+]
+PHASES = [("decision_to_spawn", "decision", "spawn"), ("imports", "spawn", "first_log"),
+          ("scheduler_start", "first_log", "scheduler_up"), ("model_init", "scheduler_up", "load_begin"),
+          ("model_load", "load_begin", "load_end"), ("memory_pools", "load_end", "pools_end"),
+          ("http_server", "pools_end", "http_up"), ("warm_up", "http_up", "ready"),
+          ("first_routed_request", "ready", "served")]
+BODY = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+
+
+def model_path(name: str) -> str:
+    if name == "tiny":
+        from kllm_plugins.models.tiny_llama import tiny_llama_path
+
+        return str(tiny_llama_path())
+    from kllm_plugins.models.smollm2 import smollm2_path
+
+    return str(smollm2_path())
+
+
+def weights_file(path: str) -> str | None:
+    files = [os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors")]
+    return max(files, key=os.path.getsize) if files else None
+
+
+def cached_fraction(path: str | None) -> float | None:
+    """Share of a file's pages in the page cache (util-linux fincore), None when unknown."""
+    if path is None:
+        return None
+    try:
+        out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES,SIZE", path],
+                             capture_output=True, text=True, timeout=10).stdout.split()
+        return round(int(out[0]) / max(1, int(out[1])), 3)
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return None
+
+
+def drop_page_cache() -> str:
+    subprocess.run(["sync"], check=False)
+    try:
+        with open("/proc/sys/vm/drop_caches", "w", encoding="ascii") as fh:
+            fh.write("1\n")
+        return "dropped"
+    except OSError as exc:
+        return f"not dropped: {exc.strerror}"
+
+
+def milestones(log_path: str) -> dict[str, float]:
+    """Wall time of the first line matching each milestone in a stamped log."""
+    out: dict[str, float] = {}
+    with open(log_path, encoding="utf-8", errors="replace") as fh:
+        for line in fh:
+            stamp, _, text = line.partition(" ")
+            for name, pat in MILESTONES:
+                if name not in out and pat.search(text):
+                    try:
+                        out[name] = float(stamp)
+                    except ValueError:
+                        pass
+    return out
+
+
+async def first_served(rurl: str, timeout_s: float) -> tuple[float, str]:
+    """Send the request through the router until it is answered; (wall time, instance)."""
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession() as s:
+        while time.monotonic() < deadline:
+            try:
+                async with s.post(rurl + "/generate", json=BODY, timeout=aiohttp.ClientTimeout(total=60)) as r:
+                    if r.status == 200:
+                        await r.read()
+                        return time.time(), r.headers.get("X-Kllm-Instance", "")
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                pass
+            await asyncio.sleep(0.05)
+    raise TimeoutError(f"no request served through the router within {timeout_s}s")
+
+
+async def one_start(model: str, path: str, how: str, log_dir: str, timeout_s: float) -> dict[str, Any]:
+    base = LocalProcessActuator(path, common_args=ARGS, env={"SGLANG_PLATFORM": "kllm_cpu", "PYTHONUNBUFFERED": "1"},
+                                log_dir=log_dir, stamp_log=True)
+    pool = StandbyPool(StandbyPolicy(size={Role.PLAIN: 1 if how == "standby" else 0}))
+    act = StandbyActuator(base, pool)
+    row: dict[str, Any] = {"model": model, "path": how}
+    cfg = RouterConfig(health_interval_s=0.5, scale_interval_s=0.25, min_instances=0, max_instances=1,
+                       loads_interval_s=0, scale_cooldown_s=0)
+    router = Router(cfg, act, (Role.PLAIN,))
+    try:
+        if how == "standby":
+            act.start()
+            if not await asyncio.to_thread(act.wait_filled, timeout_s):
+                raise TimeoutError("standby pool not filled")
+            row["standby_memory_bytes"] = pool.memory_bytes()
+        if how == "cold":
+            row["page_cache"] = drop_page_cache()
+        row["weights_cached_fraction_before"] = cached_fraction(weights_file(path))
+        row["load_avg_1min_before"] = round(os.getloadavg()[0], 2)
+        port = await router.serve("127.0.0.1", 0)
+        rurl = f"http://127.0.0.1:{port}"
+        assert router.controller is not None
+        dec = router.controller.deciders[Role.PLAIN]
+        dec.policy = dataclasses.replace(dec.policy, min_instances=1)  # the scale-up decision
+        served_wall, inst_url = await first_served(rurl, timeout_s)
+        d = router.controller.decisions[0]
+        decision_wall = d.at + (time.time() - time.monotonic())
+        inst = router.registry.get(inst_url)
+        row.update(instance=inst_url, healthy=inst is not None and inst.health is Health.HEALTHY,
+                   how=act.choices[inst_url].kind if inst_url in act.choices else "?",
+                   decision_to_served_s=round(served_wall - decision_wall, 3))
+        t = {"decision": decision_wall, "served": served_wall}
+        if how != "standby":
+            t["spawn"] = base.started_at.get(inst_url, float("nan"))
+            t.update(milestones(os.path.join(log_dir, f"sglang-plain-{inst_url.rsplit(':', 1)[1]}.log")))
+            row["phases_s"] = {n: round(t[b] - t[a], 3) for n, a, b in PHASES if a in t and b in t}
+        else:
+            row["phases_s"] = {"promotion_to_served": round(served_wall - decision_wall, 3)}
+        row["load_avg_1min_after"] = round(os.getloadavg()[0], 2)
+    finally:
+        await router.shutdown(2)
+        await asyncio.to_thread(act.stop_all)
+    return row
+
+
+def release_probe(model: str, path: str, log_dir: str) -> dict[str, Any]:
+    base = LocalProcessActuator(path, common_args=ARGS, env={"SGLANG_PLATFORM": "kllm_cpu"}, log_dir=log_dir)
+    url = base.add(Role.PLAIN)
+    out: dict[str, Any] = {"model": model}
+    try:
+        base.wait_ready(url, 600)
+        pid = base.procs[url].pid
+        out["memory_bytes_ready"] = process_group_memory_bytes(pid)
+        t0 = time.monotonic()
+        status, body = http_json(url + "/release_memory_occupation", {}, timeout_s=120)
+        out["release"] = {"status": status, "seconds": round(time.monotonic() - t0, 3), "answer": str(body)[:200]}
+        time.sleep(1)
+        out["memory_bytes_released"] = process_group_memory_bytes(pid)
+        t0 = time.monotonic()
+        status, body = http_json(url + "/resume_memory_occupation", {}, timeout_s=120)
+        out["resume"] = {"status": status, "seconds": round(time.monotonic() - t0, 3), "answer": str(body)[:200]}
+        status, body = http_json(url + "/generate", BODY, timeout_s=120)
+        out["generate_after_resume"] = {"status": status, "text": (body or {}).get("text") if isinstance(body, dict)
+                                        else str(body)[:100]}
+        log = open(os.path.join(log_dir, f"sglang-plain-{url.rsplit(':', 1)[1]}.log"), errors="replace").read()
+        out["server_said"] = sorted({ln.split("] ", 1)[-1][:160] for ln in log.splitlines()
+                                     if "memory_saver" in ln or "will not save memory" in ln})[:3]
+    finally:
+        base.stop_all()
+    return out
+
+
+def remote_instance_probe(model: str, path: str, log_dir: str) -> dict[str, Any]:
+    """Start a seed, then a second server loading its weights from the seed (NCCL backend: the one
+    SGLang 0.5.23 uses without a transfer engine). Records what happens."""
+    from kllm_plugins.testing.sglang_server import free_port
+
+    base = LocalProcessActuator(path, common_args=ARGS, env={"SGLANG_PLATFORM": "kllm_cpu"}, log_dir=log_dir)
+    seed = base.add(Role.PLAIN)
+    out: dict[str, Any] = {"model": model, "backend": "nccl"}
+    try:
+        base.wait_ready(seed, 600)
+        host, port = seed.rsplit(":", 1)
+        target = LocalProcessActuator(path, common_args=[
+            *ARGS, "--load-format", "remote_instance", "--remote-instance-weight-loader-seed-instance-ip", "127.0.0.1",
+            "--remote-instance-weight-loader-seed-instance-service-port", port,
+            "--remote-instance-weight-loader-send-weights-group-ports", f"[{free_port()}]"],
+            env={"SGLANG_PLATFORM": "kllm_cpu"}, log_dir=log_dir)
+        url = target.add(Role.PLAIN)
+        try:
+            target.wait_ready(url, 300)
+            out["outcome"] = "served"
+        except (RuntimeError, TimeoutError) as exc:
+            out["outcome"] = f"failed: {exc}"
+        log = open(os.path.join(log_dir, f"sglang-plain-{url.rsplit(':', 1)[1]}.log"), errors="replace").read()
+        errs = [ln.strip()[:240] for ln in log.splitlines()
+                if re.search(r"Error|assert|only supports|not supported|Fallback", ln)]
+        out["errors"] = errs[:4]
+        target.stop_all()
+    finally:
+        base.stop_all()
+    return out
+
+
+def spread(vals: list[float]) -> dict[str, float]:
+    return {"median": round(statistics.median(vals), 3), "min": round(min(vals), 3), "max": round(max(vals), 3),
+            "n": len(vals)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", nargs="+", default=["tiny", "smollm2"], choices=["tiny", "smollm2"])
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--paths", nargs="+", default=["cold", "warm", "standby"], choices=["cold", "warm", "standby"])
+    ap.add_argument("--probes", nargs="*", default=["release", "remote_instance"],
+                    choices=["release", "remote_instance"])
+    ap.add_argument("--timeout-s", type=float, default=600)
+    ap.add_argument("--no-record", action="store_true")
+    args = ap.parse_args()
+    log_dir = tempfile.mkdtemp(prefix="kllm-tts-")
+    rows: list[dict[str, Any]] = []
+    probes: list[dict[str, Any]] = []
+    t_start = time.time()
+    for model in args.models:
+        path = model_path(model)
+        for rep in range(args.repeats):
+            for how in args.paths:  # interleaved: cold, warm, standby, cold, ...
+                row = asyncio.run(one_start(model, path, how, log_dir, args.timeout_s))
+                row["repeat"] = rep
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        for probe in args.probes:
+            probes.append(dict(release_probe(model, path, log_dir) if probe == "release"
+                               else remote_instance_probe(model, path, log_dir), probe=probe))
+            print(json.dumps(probes[-1]), flush=True)
+    summary: dict[str, Any] = {}
+    print("\nREAL SGLang CPU servers; seconds from the scale-up decision, median (min-max) over repeats")
+    for model in args.models:
+        summary[model] = {}
+        cols = [h for h in args.paths if any(r["model"] == model and r["path"] == h for r in rows)]
+        print(f"\n{model}: " + " | ".join(f"{h:>22}" for h in cols))
+        names = [n for n, _, _ in PHASES] + ["decision_to_served_s"]
+        for name in names:
+            cells = []
+            for h in cols:
+                sel = [r for r in rows if r["model"] == model and r["path"] == h]
+                vals = [r[name] if name == "decision_to_served_s" else r["phases_s"].get(name) for r in sel]
+                vals = [v for v in vals if v is not None]
+                if vals:
+                    summary[model].setdefault(h, {})[name] = spread(vals)
+                    s = spread(vals)
+                    cells.append(f"{s['median']:>8.2f} ({s['min']:.2f}-{s['max']:.2f})")
+                else:
+                    cells.append(f"{'-':>22}")
+            if any(c.strip() != "-" for c in cells):
+                print(f"  {name:<22} " + " | ".join(f"{c:>22}" for c in cells))
+        for h in cols:
+            if h != "cold" and "cold" in summary[model] and h in summary[model]:
+                ratio = summary[model][h]["decision_to_served_s"]["median"] / summary[model]["cold"][
+                    "decision_to_served_s"]["median"]
+                summary[model][h]["vs_cold_median_ratio"] = round(ratio, 4)
+                print(f"  {h} / cold (medians): {ratio:.3f}x")
+    if args.no_record:
+        return
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    data = {"command": " ".join(["python", *sys.argv]), "commit": commit, "date_utc": time.strftime(
+        "%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start)), "simulated": False,
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                    "shared": "2-core machine shared with five other sessions running tests and servers: timings "
+                              "are noisy; load averages recorded per start"},
+        "router": {"health_interval_s": 0.5, "scale_interval_s": 0.25},
+        "summary": summary, "starts": rows, "probes": probes}
+    old: dict[str, Any] = {}
+    if os.path.exists(RESULTS):
+        with open(RESULTS, encoding="utf-8") as fh:
+            old = json.load(fh)
+    # a run replaces earlier runs of the same models; runs of other models stay
+    runs = [r for r in old.get("runs", []) if not set(r.get("summary", {})) <= set(args.models)]
+    with open(RESULTS, "w", encoding="utf-8") as fh:
+        json.dump({"runs": [*runs, data]}, fh, indent=1)
+    print(f"\nrecorded {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
