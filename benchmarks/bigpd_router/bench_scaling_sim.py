@@ -79,10 +79,14 @@ def trace(seed: int, duration: float) -> list[Req]:
 def simulate(reqs: list[Req], setup: str, groups: int, start_delay: float,
              policy: ScalePolicy | dict[Role, ScalePolicy],
              initial: int | tuple[int, int] = 2, interval: float = 5.0, role_switch: bool = False,
-             switch_delay: float = 2.0, shape: tuple[int, int] = (1, 1)) -> dict[str, Any]:
+             switch_delay: float = 2.0, shape: tuple[int, int] = (1, 1), standby: int | dict[Role, int] = 0,
+             promote_delay: float = 0.5) -> dict[str, Any]:
     """One run. fixed: `groups` groups of shape xPyD, a request stays inside its group; pools:
     `initial` prefill and decode instances (an int or (P, D)), scaled by the controller with
-    `policy` (one for both pools or one per pool)."""
+    `policy` (one for both pools or one per pool). `standby` warm instances per pool (pools only):
+    a scale-up takes one (serving after `promote_delay`) before starting one cold (`start_delay`),
+    a promoted one is replaced by a cold start in the background, a drained one goes back to a
+    short pool; standby and refilling instances count in the instance-seconds."""
     insts: list[Inst] = []
     if setup == "fixed":
         for g in range(groups):
@@ -99,6 +103,13 @@ def simulate(reqs: list[Req], setup: str, groups: int, start_delay: float,
     now, inst_seconds, next_ctl = 0.0, 0.0, 0.0
     end = reqs[-1].t + 120.0
     timeline: list[tuple[float, int, int]] = []
+    size = standby if isinstance(standby, dict) else {Role.PREFILL: standby, Role.DECODE: standby}
+    spare = {r: size.get(r, 0) for r in (Role.PREFILL, Role.DECODE)} if setup == "pools" else {}
+    """Ready standbys per pool."""
+    refills: list[tuple[float, Role]] = []
+    """Standbys starting cold to replace promoted ones: (ready at, pool)."""
+    promoted = cold_starts = 0
+    standby_seconds = 0.0
     while now < end and (pending or any(i.queue or i.batch for i in insts)):
         live = [i for i in insts if i.ready_at <= now]
         while pending and pending[0].t <= now:
@@ -135,7 +146,11 @@ def simulate(reqs: list[Req], setup: str, groups: int, start_delay: float,
                         if r.made >= r.out:
                             r.done = now
                             i.batch.remove(r)
-        inst_seconds += DT * len(insts)  # starting instances cost too
+        inst_seconds += DT * (len(insts) + sum(spare.values()) + len(refills))  # starting and standby ones cost too
+        standby_seconds += DT * sum(spare.values())
+        for at, role in [x for x in refills if x[0] <= now]:
+            refills.remove((at, role))
+            spare[role] += 1
         if setup == "pools" and now >= next_ctl:
             next_ctl = now + interval
             q = ttft_recent[Role.PREFILL]
@@ -166,14 +181,30 @@ def simulate(reqs: list[Req], setup: str, groups: int, start_delay: float,
                         victim = min(idle, key=lambda i: len(i.batch) + len(i.queue))
                         victim.draining, victim.switch_to = True, role  # drains, then flips (below)
                         lent += 1
-                    insts += [Inst(role, now + start_delay) for _ in range(d.count - lent)]
+                    for _ in range(d.count - lent):
+                        if spare.get(role, 0) > 0:
+                            spare[role] -= 1
+                            refills.append((now + start_delay, role))
+                            insts.append(Inst(role, now + promote_delay))
+                            promoted += 1
+                        else:
+                            insts.append(Inst(role, now + start_delay))
+                            cold_starts += 1
                 elif d.action == "down":
+                    starting = [i for i in members if i.ready_at > now and i.switch_to is None]
+                    if starting:  # as the router's pick_victim: a starting instance goes first
+                        insts.remove(starting[-1])
+                        continue
                     victim = min((i for i in members if i.ready_at <= now and i.switch_to is None),
                                  key=lambda i: len(i.batch) + len(i.queue))
                     victim.draining = True
             for i in insts:  # a drained instance that is switching joins the other pool after the flip
                 if i.switch_to is not None and not i.queue and not i.batch:
                     i.role, i.switch_to, i.draining, i.ready_at = i.switch_to, None, False, now + switch_delay
+            gone = [i for i in insts if i.draining and i.switch_to is None and not i.queue and not i.batch]
+            for i in gone:  # a drained instance goes back to a short standby pool, else it stops
+                if spare and spare[i.role] + sum(1 for _, r in refills if r is i.role) < size.get(i.role, 0):
+                    spare[i.role] += 1
             insts = [i for i in insts if not (i.draining and i.switch_to is None and not i.queue and not i.batch)]
         timeline.append((now, sum(1 for i in insts if i.role is Role.PREFILL),
                          sum(1 for i in insts if i.role is Role.DECODE)))
@@ -193,7 +224,9 @@ def simulate(reqs: list[Req], setup: str, groups: int, start_delay: float,
     return {"setup": setup, "simulated": True, "groups": groups if setup == "fixed" else None,
             "shape": f"{shape[0]}P{shape[1]}D" if setup == "fixed" else None,
             "slo_attainment": round(ok / len(reqs), 4), "instance_seconds": round(inst_seconds, 1),
-            "peak_instances": peak, "missed_at": missed, "timeline": timeline[::100]}
+            "peak_instances": peak, "missed_at": missed, "timeline": timeline[::100],
+            "standby": {r.value: n for r, n in size.items()} if isinstance(standby, dict) else standby,
+            "promoted": promoted, "cold_starts": cold_starts, "standby_seconds": round(standby_seconds, 1)}
 
 
 def main() -> None:

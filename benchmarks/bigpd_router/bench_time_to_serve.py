@@ -66,7 +66,8 @@ PHASES = [("decision_to_spawn", "decision", "spawn"), ("imports", "spawn", "firs
           ("scheduler_start", "first_log", "scheduler_up"), ("model_init", "scheduler_up", "load_begin"),
           ("model_load", "load_begin", "load_end"), ("memory_pools", "load_end", "pools_end"),
           ("http_server", "pools_end", "http_up"), ("warm_up", "http_up", "ready"),
-          ("first_routed_request", "ready", "served")]
+          ("router_registers", "ready", "routable"), ("first_request", "request_sent", "served")]
+STANDBY_PHASES = [("promote_and_register", "decision", "routable"), ("first_request", "request_sent", "served")]
 BODY = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
 
 
@@ -122,16 +123,17 @@ def milestones(log_path: str) -> dict[str, float]:
     return out
 
 
-async def first_served(rurl: str, timeout_s: float) -> tuple[float, str]:
-    """Send the request through the router until it is answered; (wall time, instance)."""
+async def first_served(rurl: str, timeout_s: float) -> tuple[float, float, str]:
+    """Send the request through the router until it is answered; (wall time sent, answered, instance)."""
     deadline = time.monotonic() + timeout_s
     async with aiohttp.ClientSession() as s:
         while time.monotonic() < deadline:
             try:
+                sent = time.time()
                 async with s.post(rurl + "/generate", json=BODY, timeout=aiohttp.ClientTimeout(total=60)) as r:
                     if r.status == 200:
                         await r.read()
-                        return time.time(), r.headers.get("X-Kllm-Instance", "")
+                        return sent, time.time(), r.headers.get("X-Kllm-Instance", "")
             except (aiohttp.ClientError, asyncio.TimeoutError):
                 pass
             await asyncio.sleep(0.05)
@@ -147,6 +149,9 @@ async def one_start(model: str, path: str, how: str, log_dir: str, timeout_s: fl
     cfg = RouterConfig(health_interval_s=0.5, scale_interval_s=0.25, min_instances=0, max_instances=1,
                        loads_interval_s=0, scale_cooldown_s=0)
     router = Router(cfg, act, (Role.PLAIN,))
+    routable: dict[str, float] = {}
+    router.registry.subscribe(lambda ev, inst: routable.setdefault(inst.url, time.time())
+                              if ev == "health" and inst.health is Health.HEALTHY else None)
     try:
         if how == "standby":
             act.start()
@@ -162,20 +167,21 @@ async def one_start(model: str, path: str, how: str, log_dir: str, timeout_s: fl
         assert router.controller is not None
         dec = router.controller.deciders[Role.PLAIN]
         dec.policy = dataclasses.replace(dec.policy, min_instances=1)  # the scale-up decision
-        served_wall, inst_url = await first_served(rurl, timeout_s)
+        sent_wall, served_wall, inst_url = await first_served(rurl, timeout_s)
         d = router.controller.decisions[0]
         decision_wall = d.at + (time.time() - time.monotonic())
         inst = router.registry.get(inst_url)
         row.update(instance=inst_url, healthy=inst is not None and inst.health is Health.HEALTHY,
                    how=act.choices[inst_url].kind if inst_url in act.choices else "?",
                    decision_to_served_s=round(served_wall - decision_wall, 3))
-        t = {"decision": decision_wall, "served": served_wall}
+        t = {"decision": decision_wall, "served": served_wall, "request_sent": sent_wall,
+             "routable": routable.get(inst_url, float("nan"))}
+        phases = STANDBY_PHASES
         if how != "standby":
+            phases = PHASES
             t["spawn"] = base.started_at.get(inst_url, float("nan"))
             t.update(milestones(os.path.join(log_dir, f"sglang-plain-{inst_url.rsplit(':', 1)[1]}.log")))
-            row["phases_s"] = {n: round(t[b] - t[a], 3) for n, a, b in PHASES if a in t and b in t}
-        else:
-            row["phases_s"] = {"promotion_to_served": round(served_wall - decision_wall, 3)}
+        row["phases_s"] = {n: round(t[b] - t[a], 3) for n, a, b in phases if a in t and b in t}
         row["load_avg_1min_after"] = round(os.getloadavg()[0], 2)
     finally:
         await router.shutdown(2)
@@ -279,7 +285,7 @@ def main() -> None:
         summary[model] = {}
         cols = [h for h in args.paths if any(r["model"] == model and r["path"] == h for r in rows)]
         print(f"\n{model}: " + " | ".join(f"{h:>22}" for h in cols))
-        names = [n for n, _, _ in PHASES] + ["decision_to_served_s"]
+        names = [n for n, _, _ in PHASES] + ["promote_and_register", "decision_to_served_s"]
         for name in names:
             cells = []
             for h in cols:
