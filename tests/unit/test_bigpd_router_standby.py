@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import subprocess
+import sys
 import time
 
 import aiohttp
@@ -222,3 +224,26 @@ def test_router_registers_a_promoted_standby_at_once_and_counts_its_standby_time
 
     asyncio.run(go())
 
+
+
+def test_core_module_imports_without_sglang() -> None:
+    code = ("import sys; sys.modules['sglang'] = None; "
+            "import kllm_plugins.plugins.bigpd_router.core.standby_pool, kllm_plugins.plugins.bigpd_router.core.scaling")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_cli_builds_a_standby_actuator_and_refuses_a_bad_size() -> None:
+    from kllm_plugins.plugins.bigpd_router.service.cli import build_parser, make_actuator
+
+    act = make_actuator(build_parser().parse_args(["--actuator", "local", "--local-model-path", "m",
+                                                   "--local-standby", "prefill=0,decode=0",
+                                                   "--local-standby-memory-gb", "2"]))
+    try:
+        assert isinstance(act, StandbyActuator)
+        assert act.pool.policy.size == {Role.PREFILL: 0, Role.DECODE: 0}  # 0: the filler starts nothing here
+        assert act.pool.policy.max_memory_bytes == 2 * GB
+    finally:
+        act.stop_all()
+    with pytest.raises(SystemExit, match="--local-standby wants ROLE=N"):
+        make_actuator(build_parser().parse_args(["--actuator", "local", "--local-model-path", "m",
+                                                 "--local-standby", "prefill"]))

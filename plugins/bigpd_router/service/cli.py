@@ -44,6 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--local-args", default="", help="local actuator: extra sglang.launch_server arguments")
     ap.add_argument("--local-pd-backend", default="mooncake",
                     help="local actuator: --disaggregation-transfer-backend (SGLang refuses 'fake' on prefill)")
+    ap.add_argument("--local-standby", default="",
+                    help="local actuator: warm standby instances per pool, e.g. plain=1 or prefill=1,decode=1")
+    ap.add_argument("--local-standby-memory-gb", type=float, default=0.0,
+                    help="local actuator: memory bound of all standbys together (0: none)")
     ap.add_argument("--k8s-namespace", default="default")
     ap.add_argument("--k8s-api", help="Kubernetes API URL (default: in-cluster config, then kubeconfig)")
     ap.add_argument("--k8s-deployment", action="append", default=[],
@@ -73,10 +77,21 @@ def make_actuator(args: argparse.Namespace) -> Actuator | None:
         if not args.local_model_path:
             raise SystemExit("kllm-router: --actuator local needs --local-model-path")
         pd = ["--disaggregation-transfer-backend", args.local_pd_backend]
-        return LocalProcessActuator(args.local_model_path, shlex.split(args.local_args),
-                                    {Role.PREFILL: ["--disaggregation-mode", "prefill", *pd],
-                                     Role.DECODE: ["--disaggregation-mode", "decode", *pd]},
-                                    role_switch=config_from(args).scale_role_switch)
+        local = LocalProcessActuator(args.local_model_path, shlex.split(args.local_args),
+                                     {Role.PREFILL: ["--disaggregation-mode", "prefill", *pd],
+                                      Role.DECODE: ["--disaggregation-mode", "decode", *pd]},
+                                     role_switch=config_from(args).scale_role_switch)
+        if not args.local_standby:
+            return local
+        from kllm_plugins.plugins.bigpd_router.actuators.standby_actuator import StandbyActuator
+        from kllm_plugins.plugins.bigpd_router.core.standby_pool import StandbyPolicy, StandbyPool
+
+        try:
+            sizes = {Role(k): int(v) for k, v in (item.split("=") for item in args.local_standby.split(","))}
+        except ValueError:
+            raise SystemExit(f"kllm-router: --local-standby wants ROLE=N[,ROLE=N], got {args.local_standby!r}")
+        policy = StandbyPolicy(size=sizes, max_memory_bytes=int(args.local_standby_memory_gb * (1 << 30)))
+        return StandbyActuator(local, StandbyPool(policy)).start()
     if args.actuator == "kubernetes":
         from kllm_plugins.plugins.bigpd_router.actuators.kubernetes_scale import (
             KubernetesActuator,
