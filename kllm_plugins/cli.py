@@ -54,7 +54,7 @@ def doctor_report(manager: KllmPluginManager) -> tuple[list[str], int]:
         return lines, 1
     lines.append(f"SGLang: {version}")
     selected = os.environ.get("SGLANG_PLATFORM")
-    if selected and selected != "kllm_cpu":
+    if selected and selected not in ("kllm_cpu", "kllm_cuda"):
         lines.append(
             f"WARNING: SGLANG_PLATFORM={selected}: SGLang skips general plugins of distributions that ship "
             "another platform, so kllm plugins will NOT load (this distribution ships 'kllm_cpu')."

@@ -2,8 +2,9 @@
 
 Some SGLang patches belong to a platform, not to a capability: the `kllm_cpu` platform needs
 HiCache's host pools unpinned and torch versions of its direct I/O ops, whichever plugins are
-on. Each platform of ours may name a patch list here; the host applies the selected platform's
-list in every SGLang process, before any plugin's, and verifies it target by target like a
+on; the `kllm_cuda` platform's list checks what its process-start guard did. Each platform of
+ours may name a patch list here; the host applies the selected platform's list in every SGLang
+process, before any plugin's, and verifies it target by target like a
 plugin's (`KLLM_STRICT=1` stops the process on a failure). The ledger (`kllm-plugins patches`,
 docs/PATCHES.md) and `kllm-plugins doctor` list them as `platform:<name>`. `KLLM_PLATFORM_PATCHES=0`
 applies none.
@@ -24,6 +25,10 @@ PLATFORM_PATCH_LISTS: dict[str, tuple[str, str]] = {
     "kllm_cpu": (
         "kllm_plugins.hardware.cpu.patches:PATCHES",
         "kllm_plugins.hardware.cpu.platform_entry:selected",
+    ),
+    "kllm_cuda": (
+        "kllm_plugins.hardware.cuda.patches:PATCHES",
+        "kllm_plugins.hardware.cuda.platform_entry:selected",
     ),
 }
 

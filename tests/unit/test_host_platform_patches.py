@@ -34,8 +34,7 @@ def test_cpu_platform_list_is_selected_by_the_environment(env: dict[str, str], e
 
 
 def test_cpu_platform_list_holds_the_hicache_compat_patches() -> None:
-    (group, patches), = platform_patches.all_platform_groups()
-    assert group == "platform:kllm_cpu"
+    patches = dict(platform_patches.all_platform_groups())["platform:kllm_cpu"]
     targets = {p.target: p.impl for p in patches}
     assert targets["sglang.srt.mem_cache.pool_host.base.HostKVCache.__init__"].endswith("hicache_compat:unpin_host_pool")
     assert targets["sglang.srt.mem_cache.pool_host.mha"].endswith("hicache_compat:bind_direct_copy")

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine, in the repository's root: installs what scripts/gpu/pack.sh packed
+# (device_setup.sh), then each named suite, writing a small JSON summary per suite (and its log)
+# under $OUT (the device tool brings $OUT back; elsewhere it defaults to /tmp/kllm/out):
+#   smoke  the platform resolves, `kllm-plugins doctor` finds every target (SGLANG_PLATFORM=kllm_cuda)
+#   e2e    tests/gpu/test_sglang_cuda_platform_gpu.py (one server per plugin, all on the GPU at once)
+#   gpu    the other GPU tests of tests/gpu (kernels and copiers of our own, outside SGLang)
+#   speed  benchmarks/gpu/serving_speed.py (SGLang on kllm_cuda vs transformers, same GPU)
+# Usage: KLLM_COMMIT=<sha> bash scripts/gpu/run_suite.sh smoke e2e
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/kllm/out}
+mkdir -p "$OUT" /tmp/kllm
+bash scripts/gpu/device_setup.sh 2>&1 | tee "$OUT/setup.log" || exit 1
+export KLLM_CACHE_DIR=/tmp/kllm/cache PYTHONUNBUFFERED=1 SGLANG_PLATFORM=kllm_cuda
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+PY=python3
+rc=0
+for suite in "$@"; do
+  start=$(date +%s)
+  case $suite in
+    smoke)
+      $PY scripts/gpu/smoke.py --out "$OUT/smoke.json" > "$OUT/smoke.log" 2>&1; r=$? ;;
+    e2e)
+      $PY -m pytest tests/gpu/test_sglang_cuda_platform_gpu.py -q -rA -p no:cacheprovider --timeout 900 \
+        --junitxml "$OUT/e2e-junit.xml" > "$OUT/e2e.log" 2>&1; r=$?
+      $PY scripts/gpu/summarize_junit.py "$OUT/e2e-junit.xml" e2e "$OUT/e2e.json" ;;
+    gpu)
+      $PY -m pytest tests/gpu -q -rA -p no:cacheprovider --timeout 600 --deselect tests/gpu/test_sglang_cuda_platform_gpu.py \
+        --junitxml "$OUT/gpu-junit.xml" > "$OUT/gpu.log" 2>&1; r=$?
+      $PY scripts/gpu/summarize_junit.py "$OUT/gpu-junit.xml" gpu "$OUT/gpu.json" ;;
+    speed)
+      $PY benchmarks/gpu/serving_speed.py --out "$OUT/speed.json" ${SPEED_ARGS:-} > "$OUT/speed.log" 2>&1; r=$? ;;
+    *) echo "unknown suite $suite"; r=2 ;;
+  esac
+  echo "suite $suite: rc=$r in $(( $(date +%s) - start )) s"
+  [ $r -ne 0 ] && rc=$r
+  tail -5 "$OUT/$suite.log" 2>/dev/null
+done
+rm -f "$OUT"/*-junit.xml
+exit $rc
