@@ -70,9 +70,9 @@ def test_out_of_vocabulary_token_id_is_refused_and_no_instance_is_touched(tmp_pa
     async def go() -> None:
         backends = [FakeBackend(crash_on="99999999", model_path=str(tmp_path), context_len=64) for _ in range(2)]
         async with cluster(backends, RouterConfig(**QUIET)) as (router, rurl, urls), aiohttp.ClientSession() as s:
-            assert (router.limits.vocab_size, router.limits.context_len) == (1000, 64)
             st, body, _ = await post(s, rurl + "/generate", {"input_ids": [99999999]})
             assert st == 400, body
+            assert (router.limits.vocab_size, router.limits.context_len) == (1000, 64)
             assert "token id 99999999 is outside the model's vocabulary [0, 1000)" in json.loads(body)["error"]["message"]
             st, body, _ = await post(s, rurl + "/v1/completions", {"prompt": list(range(70)), "max_tokens": 1})
             assert st == 400 and "context is 64 tokens" in json.loads(body)["error"]["message"]
@@ -285,3 +285,85 @@ def test_server_info_in_pd_mode_lists_both_pools() -> None:
             assert [i["disaggregation_mode"] for i in info["prefill"]] == ["prefill"]
             assert [i["disaggregation_mode"] for i in info["decode"]] == ["decode"]
     run(go)
+
+
+# ---------------------------------------------------------------- a stopped instance (SIGSTOP)
+@pytest.mark.slow
+def test_stopped_instance_is_detected_in_seconds_and_its_requests_fail_over_or_end_cleanly() -> None:
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from kllm_plugins.plugins.bigpd_router.actuators.local_process import free_port
+
+    ports = [free_port(), free_port()]
+    procs = [subprocess.Popen([sys.executable, "-m", "kllm_plugins.plugins.bigpd_router.service.fake_backend",
+                               "--port", str(p), "--ttft-s", "0.5", "--tpot-s", "0.05"]) for p in ports]
+
+    async def go() -> None:
+        async with aiohttp.ClientSession() as s:
+            for p in ports:
+                for _ in range(200):
+                    try:
+                        async with s.get(f"http://127.0.0.1:{p}/health") as r:
+                            if r.status == 200:
+                                break
+                    except aiohttp.ClientError:
+                        await asyncio.sleep(0.1)
+        # health checks as patient as the defaults; detection must come from liveness and the watchdog
+        cfg = RouterConfig(policy="round_robin", loads_interval_s=0, health_interval_s=2.0)
+        from kllm_plugins.plugins.bigpd_router.service.router import Router
+
+        router = Router(cfg)
+        async with router.serving() as rurl, aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+            urls = [f"http://127.0.0.1:{p}" for p in ports]
+            for u in urls:
+                await router.add_instance(u)
+            started = [asyncio.Event() for _ in range(4)]
+
+            async def stream(i: int, n: int) -> tuple[str, bytes]:
+                async with s.post(rurl + "/generate", json=gen(f"s{i}", n, stream=True)) as r:
+                    inst, body = r.headers.get("X-Kllm-Instance", ""), b""
+                    async for piece in r.content.iter_any():
+                        body += piece
+                        if i < len(started):
+                            started[i].set()
+                    return inst, body
+
+            long_streams = [asyncio.create_task(stream(i, 200)) for i in range(4)]  # 10 s each
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 30)
+            waiting = [asyncio.create_task(stream(10 + i, 5)) for i in range(4)]  # no token for 0.5 s
+            os.kill(procs[0].pid, signal.SIGSTOP)
+            t_stop = time.monotonic()
+            assert await wait_for(lambda: router.registry.get(urls[0]).health is Health.UNHEALTHY,  # type: ignore[union-attr]
+                                  30.0, 0.05)
+            detect_s = time.monotonic() - t_stop
+            results = await asyncio.wait_for(asyncio.gather(*waiting), 30)
+            ended = await asyncio.wait_for(asyncio.gather(*long_streams), 30)
+            took = time.monotonic() - t_stop
+        await asyncio.sleep(0)
+        assert detect_s < 8.0, detect_s  # the old health checks alone took 13.6 s
+        # requests with no token yet were retried on the running instance and completed
+        for inst, body in results:
+            assert body.count(b"data:") == 6 and b"error" not in body, body
+        # streams already started on the stopped one ended with an error event, not a hang
+        stopped = [b for inst, b in ended if inst == urls[0]]
+        assert stopped and all(b"stopped answering" in b and b.endswith(b"data: [DONE]\n\n") for b in stopped)
+        assert all(b.count(b"data:") == 201 for inst, b in ended if inst == urls[1])
+        assert took < 25.0
+
+    try:
+        run(go, 120)
+    finally:
+        for p in procs:
+            with contextlib_suppress():
+                os.kill(p.pid, signal.SIGCONT)
+            p.kill()
+            p.wait(10)
+
+
+def contextlib_suppress() -> object:
+    import contextlib
+
+    return contextlib.suppress(OSError)
