@@ -580,12 +580,38 @@ def _page_blocks(pool: Any, page_nbytes: int) -> PageBlocks | None:
         return None
 
 
+def _prefetch_operation(value: Any) -> Any:
+    """The PrefetchOperation of an `ongoing_prefetch` entry: SGLang 0.5.23 keeps a NamedTuple whose
+    `operation` is its fourth field, not its last (reading the last one, a dict of component
+    transfers, counted every prefetch as 0 tokens in flight)."""
+    op = getattr(value, "operation", None)
+    if op is not None:
+        return op
+    if isinstance(value, tuple):
+        for item in value:
+            if hasattr(item, "hash_value"):
+                return item
+    return value
+
+
 def _inflight(cache: Any) -> tuple[int, int]:
+    """Prefetches in flight and the host tokens they will take.
+
+    An operation's `hash_value` holds the pages it will load only once the storage thread's hit
+    query has run (`all_hash_values` is set then); before that it is empty. Counting such a
+    prefetch as 0 let the gate start more prefetches than the admission hold's L2 budget keeps
+    (on a loaded machine the span past the budget was refused a hold and evicted before its
+    request ran). Until its query has run, an operation counts its whole page-aligned candidate
+    span, an upper bound of what it can load."""
     ongoing = getattr(cache, "ongoing_prefetch", None) or {}
+    page = int(getattr(cache, "page_size", 1) or 1)
     tokens = 0
     for value in list(ongoing.values()):
-        op = value[-1] if isinstance(value, tuple) else value
-        tokens += len(getattr(op, "hash_value", None) or []) * int(getattr(cache, "page_size", 1))
+        op = _prefetch_operation(value)
+        if getattr(op, "all_hash_values", None) is None and not getattr(op, "hash_value", None):
+            tokens += len(getattr(op, "token_ids", None) or ()) // page * page
+        else:
+            tokens += len(getattr(op, "hash_value", None) or []) * page
     return len(ongoing), tokens
 
 

@@ -780,3 +780,49 @@ def test_prefetches_refused_for_l2_room_are_deferred_and_reissued_in_queue_order
     assert issued == ["r4", "r3"] and "r4" in cache.ongoing_prefetch and list(b.t.deferred) == ["r3"]
     ad.after_finish_storage_prefetch_admission(None, cache, "r3", 0, None)  # admitted without its prefetch
     assert not b.t.deferred and b.t.counts["prefetch_reissued"] == 3
+
+
+def test_l2_budget_counts_prefetches_whose_hit_query_has_not_run(backend_factory) -> None:
+    """The gate's in-flight tokens come from SGLang's own `ongoing_prefetch` entries: the operation
+    is the entry's `operation` field (reading the entry's last field counted every prefetch as 0
+    tokens), and before the storage thread's hit query has run it counts its candidate span. With
+    either gap the gate started more prefetches than the hold's L2 budget keeps, and on a loaded
+    machine the span past the budget was refused a hold and evicted before admission (the
+    admission-hold e2e test failed with 256 tokens of `cache_admission_shortfall`)."""
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.cache_controller import PrefetchOperation
+    from sglang.srt.mem_cache.unified_radix_cache import _OngoingPrefetch
+
+    from kllm_plugins.plugins.kv_tiers import sglang_adapter as ad
+
+    b = backend_factory(prefill_tokens_per_s=100.0, l3_read_gbps=50.0, prefetch_max_inflight_ops=8,
+                        admission_hold_fraction=0.5)
+    cache = _Cache()
+    cache.cache_controller = SimpleNamespace(mem_pool_host=SimpleNamespace(size=2048))  # budget 1024 tokens
+    tokens = list(range(512))
+    _store_pages(b, cache, tokens)
+
+    def entry(request: Any, new_tokens: list[int]) -> Any:
+        # the entry as SGLang 0.5.23 keeps it (the operation is not its last field)
+        op = PrefetchOperation(request, list(new_tokens))  # its hit query has not run yet
+        return _OngoingPrefetch(None, None, None, op, None, {})
+
+    def prefetch(self: Any, request: Any, node: Any, new_tokens: list[int], *a: Any, **k: Any) -> bool:
+        self.ongoing_prefetch[request] = entry(request, new_tokens)
+        return True
+
+    assert ad._inflight(cache) == (0, 0)
+    assert ad.around_prefetch_from_storage(prefetch, cache, "r1", None, tokens) is True
+    assert ad._inflight(cache) == (1, 512)  # the whole candidate span, before the query
+    assert ad.around_prefetch_from_storage(prefetch, cache, "r2", None, tokens) is True  # 1024: full
+    assert ad.around_prefetch_from_storage(prefetch, cache, "r3", None, tokens) is None
+    assert list(b.t.deferred) == ["r3"]
+    # once r1's query has run and found 10 of its 32 pages, it counts those pages only
+    op = cache.ongoing_prefetch["r1"].operation
+    op.all_hash_values = [str(i) for i in range(32)]
+    op.hash_value = op.all_hash_values[:10]
+    assert ad._inflight(cache) == (2, 10 * 16 + 512)
+    # a span that is not page-aligned counts its whole pages only (what HiCache can load)
+    cache.ongoing_prefetch["r4"] = entry("r4", list(range(40)))
+    assert ad._inflight(cache) == (3, 10 * 16 + 512 + 32)
