@@ -36,15 +36,20 @@ LEVELS = [0.98, 0.99, 0.995, 0.999]
 
 
 def measured(model: str = "smollm2") -> tuple[float, float, str]:
-    """(cold s, promotion s, source) from the latest recorded time-to-serve run of `model`."""
+    """(cold s, promotion s, source): medians of the latest recorded time-to-serve runs of `model`
+    that measured each path."""
     with open(TTS, encoding="utf-8") as fh:
         runs = json.load(fh)["runs"]
-    for run in reversed(runs):
-        s = run.get("summary", {}).get(model, {})
-        if "cold" in s and "standby" in s:
-            return (s["cold"]["decision_to_served_s"]["median"], s["standby"]["decision_to_served_s"]["median"],
-                    f"{TTS} ({run['date_utc']}, commit {run['commit']}, {model}, medians)")
-    raise SystemExit(f"no {model} cold and standby figures in {TTS}: run bench_time_to_serve.py or give --cold-s")
+    found: dict[str, tuple[float, str]] = {}
+    for run in runs:  # later runs win
+        for path in ("cold", "standby"):
+            s = run.get("summary", {}).get(model, {}).get(path)
+            if s:
+                found[path] = (s["decision_to_served_s"]["median"], f"{run['date_utc']} commit {run['commit']}")
+    if len(found) < 2:
+        raise SystemExit(f"no {model} cold and standby figures in {TTS}: run bench_time_to_serve.py or give --cold-s")
+    return (found["cold"][0], found["standby"][0],
+            f"{TTS}, {model} medians: cold {found['cold'][1]}, standby {found['standby'][1]}")
 
 
 def configs(up_loads: list[float], min_prefill: list[int]) -> list[dict[str, Any]]:

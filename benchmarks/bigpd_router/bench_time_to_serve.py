@@ -315,13 +315,14 @@ def main() -> None:
                     "shared": "2-core machine shared with five other sessions running tests and servers: timings "
                               "are noisy; load averages recorded per start"},
         "router": {"health_interval_s": 0.5, "scale_interval_s": 0.25},
-        "summary": summary, "starts": rows, "probes": probes}
+        "paths": args.paths, "summary": summary, "starts": rows, "probes": probes}
     old: dict[str, Any] = {}
     if os.path.exists(RESULTS):
         with open(RESULTS, encoding="utf-8") as fh:
             old = json.load(fh)
-    # a run replaces earlier runs of the same models; runs of other models stay
-    runs = [r for r in old.get("runs", []) if not set(r.get("summary", {})) <= set(args.models)]
+    # a run replaces earlier runs of the same models and paths; other runs stay
+    runs = [r for r in old.get("runs", []) if not (set(r.get("summary", {})) <= set(args.models)
+                                                   and set(r.get("paths", [])) <= set(args.paths))]
     with open(RESULTS, "w", encoding="utf-8") as fh:
         json.dump({"runs": [*runs, data]}, fh, indent=1)
     print(f"\nrecorded {RESULTS}")

@@ -5,7 +5,7 @@ Server A serves from the start (registered directly, not managed). The standby a
 one warm standby, B, started and warmed up but unregistered, and does not refill (two servers on
 two cores). With requests flowing without pause: the pool minimum goes to 2, the controller
 promotes B, and the router's check right after the scale step makes it routable at once (the
-health rounds are 30 s apart, so no round can have done it); B then serves routed requests. The
+health rounds are 60 s apart, so no round can have done it); B then serves routed requests. The
 maximum goes to 1: the controller drains B (the managed one) and, once idle, the actuator
 returns it to the pool, still running. The minimum goes to 2 again and the returned B is
 promoted again and serves. Every request of the run must succeed with its full output.
@@ -69,7 +69,7 @@ def test_standby_promotion_and_return_with_traffic_running(tiny_model_path: Path
                                 env={"SGLANG_PLATFORM": "kllm_cpu", "KLLM_STRICT": "1"}, log_dir=str(tmp_path))
     act = StandbyActuator(base, StandbyPool(StandbyPolicy(size={Role.PLAIN: 1}, refill=False)), poll_s=0.2)
     server_a = SGLangServer(tiny_model_path, max_total_tokens=4096)
-    cfg = RouterConfig(health_interval_s=30, scale_interval_s=0.2, loads_interval_s=0, min_instances=1,
+    cfg = RouterConfig(health_interval_s=60, scale_interval_s=0.2, loads_interval_s=0, min_instances=1,
                        max_instances=2, scale_cooldown_s=0, scale_up_sustain_s=1e6, scale_down_sustain_s=1e6,
                        first_token_timeout_s=60, max_retries=1, drain_timeout_s=120)
     router = Router(cfg, act, (Role.PLAIN,))
@@ -95,30 +95,30 @@ def test_standby_promotion_and_return_with_traffic_running(tiny_model_path: Path
                     results.append(await one_request(s, rurl, next(counter), stream=bool(c % 2)))
 
             clients = [asyncio.create_task(client(c)) for c in range(2)]
-            await wait_for(lambda: len(results) >= 4, 120, "traffic on A")
+            await wait_for(lambda: len(results) >= 4, 600, "traffic on A")
 
             # 1. promotion: the decision, then B routable without a health round
             dec.policy = dataclasses.replace(dec.policy, min_instances=2)
-            await wait_for(lambda: any(d.action == "up" for d in ctl.decisions), 30, "the scale-up decision")
-            await wait_for(lambda: (i := router.registry.get(b)) is not None and i.health is Health.HEALTHY, 20,
+            await wait_for(lambda: any(d.action == "up" for d in ctl.decisions), 120, "the scale-up decision")
+            await wait_for(lambda: (i := router.registry.get(b)) is not None and i.health is Health.HEALTHY, 45,
                            "the promoted standby to be routable")
             assert act.choices[b].kind == "promote"
-            await wait_for(lambda: sum(r["instance"] == b for r in results) >= 3, 120, "requests served by B")
+            await wait_for(lambda: sum(r["instance"] == b for r in results) >= 3, 600, "requests served by B")
 
             # 2. demotion: B drains (no request lost) and goes back to the pool, still running
             dec.policy = dataclasses.replace(dec.policy, min_instances=1, max_instances=1)
-            await wait_for(lambda: b in act.pool.members, 180, "B back in the pool")
+            await wait_for(lambda: b in act.pool.members, 600, "B back in the pool")
             assert b not in router.registry and base.alive(b)
             assert act.pool.members[b].state is State.READY and act.pool.returned == 1
             n_after_return = len(results)
-            await wait_for(lambda: len(results) >= n_after_return + 4, 120, "traffic on A alone")
+            await wait_for(lambda: len(results) >= n_after_return + 4, 600, "traffic on A alone")
 
             # 3. the returned standby is promoted again and serves
             dec.policy = dataclasses.replace(dec.policy, min_instances=2, max_instances=2)
-            await wait_for(lambda: (i := router.registry.get(b)) is not None and i.health is Health.HEALTHY, 30,
+            await wait_for(lambda: (i := router.registry.get(b)) is not None and i.health is Health.HEALTHY, 45,
                            "the returned standby promoted again")
             n_b = sum(r["instance"] == b for r in results)
-            await wait_for(lambda: sum(r["instance"] == b for r in results) >= n_b + 2, 120, "B serving again")
+            await wait_for(lambda: sum(r["instance"] == b for r in results) >= n_b + 2, 600, "B serving again")
             stop.set()
             await asyncio.gather(*clients)
             secs = ctl.instance_seconds()

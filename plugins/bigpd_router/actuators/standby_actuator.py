@@ -2,9 +2,8 @@
 
 `StandbyActuator` wraps a process actuator (`LocalProcessActuator`) and keeps, per pool, a few
 instances started and warmed up but not registered with the router (`core/standby_pool.py`
-holds the book-keeping and the choices). On a scale-up (`add`) it promotes a ready standby: one
-health check and the URL goes back to the controller, which registers it; the router's control
-loop checks it at once, so it takes traffic well under a second after the decision. A warming
+holds the book-keeping and the choices). On a scale-up (`add`) it promotes a ready standby: the
+URL goes back to the controller, which registers it; the router's control loop checks it at once, so it takes traffic well under a second after the decision. A warming
 standby that will be ready sooner than a cold start is handed over instead; with neither, `add`
 logs why and starts a process cold. On a scale-down (`remove`, after the drain) the instance goes
 back to the pool if the pool is short and the memory budget allows, else it is stopped. A filler
@@ -142,7 +141,7 @@ class StandbyActuator:
             t0 = time.monotonic()
             m = self.pool.take(choice.url)
             if choice.kind == "promote" and not self._live(m.url):
-                log.warning("standby %s failed its promotion check; stopping it", m.url)
+                log.warning("standby %s is not running (or did not resume); stopping it", m.url)
                 self.base.remove(m.url)
                 continue
             if choice.kind == "promote":
@@ -177,6 +176,10 @@ class StandbyActuator:
 
     # ------------------------------------------------------------------ internals
     def _live(self, url: str) -> bool:
+        """Can the standby be handed out? Its process must be running (and its memory resumed).
+        No health check here: SGLang's /health generates a token on an idle server, which costs up
+        to seconds on a loaded CPU, and the router checks the instance right after the scale step
+        anyway (a late answer leaves it STARTING until a health round passes, not stopped)."""
         if self.release_memory:
             try:
                 status, _ = http_json(url + "/resume_memory_occupation", {}, timeout_s=60)
@@ -184,11 +187,7 @@ class StandbyActuator:
                 return False
             if status != 200:
                 return False
-        try:
-            status, _ = http_json(url + "/health", timeout_s=2)
-        except OSError:
-            return False
-        return status == 200 and self.base.alive(url)
+        return self.base.alive(url)
 
     def _release(self, url: str) -> None:
         try:
