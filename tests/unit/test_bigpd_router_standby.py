@@ -148,7 +148,10 @@ def test_controller_instance_seconds_count_serving_and_standby() -> None:
 
 def _actuator(size: int, refill: bool = True) -> StandbyActuator:
     base = LocalProcessActuator("unused", module=FAKE, stop_grace_s=5)
-    return StandbyActuator(base, StandbyPool(StandbyPolicy(size={Role.PLAIN: size}, refill=refill)),
+    # the fake backend starts in about half a second, faster than the default promotion prior (1 s),
+    # and the pool would rightly prefer a cold start: the prior here is what a promotion costs
+    times = StartTimes(promote_prior_s=0.001)
+    return StandbyActuator(base, StandbyPool(StandbyPolicy(size={Role.PLAIN: size}, refill=refill), times),
                            warm_request=True, poll_s=0.1)
 
 
