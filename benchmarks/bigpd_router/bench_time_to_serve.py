@@ -123,16 +123,19 @@ def milestones(log_path: str) -> dict[str, float]:
     return out
 
 
-async def first_served(rurl: str, timeout_s: float) -> tuple[float, float, str]:
-    """Send the request through the router until it is answered; (wall time sent, answered, instance)."""
+async def first_served(rurl: str, timeout_s: float, tries: list[tuple[float, int, float]]) -> tuple[float, float, str]:
+    """Send the request through the router until it is answered; (wall time sent, answered, instance).
+    `tries` gets (sent, status, seconds) of the last attempts."""
     deadline = time.monotonic() + timeout_s
     async with aiohttp.ClientSession() as s:
         while time.monotonic() < deadline:
             try:
                 sent = time.time()
                 async with s.post(rurl + "/generate", json=BODY, timeout=aiohttp.ClientTimeout(total=60)) as r:
+                    await r.read()
+                    tries.append((sent, r.status, time.time() - sent))
+                    del tries[:-4]
                     if r.status == 200:
-                        await r.read()
                         return sent, time.time(), r.headers.get("X-Kllm-Instance", "")
             except (aiohttp.ClientError, asyncio.TimeoutError):
                 pass
@@ -143,7 +146,10 @@ async def first_served(rurl: str, timeout_s: float) -> tuple[float, float, str]:
 async def one_start(model: str, path: str, how: str, log_dir: str, timeout_s: float) -> dict[str, Any]:
     base = LocalProcessActuator(path, common_args=ARGS, env={"SGLANG_PLATFORM": "kllm_cpu", "PYTHONUNBUFFERED": "1"},
                                 log_dir=log_dir, stamp_log=True)
-    pool = StandbyPool(StandbyPolicy(size={Role.PLAIN: 1 if how == "standby" else 0}))
+    # no refill: a replacement standby starting right after the promotion would compete with the
+    # promoted instance's first requests for the two cores (measured: SmolLM2's first 8-token request
+    # 6.2 s with the refill starting, 0.6-0.7 s without); the refill's cost is a cold start, measured above
+    pool = StandbyPool(StandbyPolicy(size={Role.PLAIN: 1 if how == "standby" else 0}, refill=False))
     act = StandbyActuator(base, pool)
     row: dict[str, Any] = {"model": model, "path": how}
     cfg = RouterConfig(health_interval_s=0.5, scale_interval_s=0.25, min_instances=0, max_instances=1,
@@ -167,7 +173,8 @@ async def one_start(model: str, path: str, how: str, log_dir: str, timeout_s: fl
         assert router.controller is not None
         dec = router.controller.deciders[Role.PLAIN]
         dec.policy = dataclasses.replace(dec.policy, min_instances=1)  # the scale-up decision
-        sent_wall, served_wall, inst_url = await first_served(rurl, timeout_s)
+        tries: list[tuple[float, int, float]] = []
+        sent_wall, served_wall, inst_url = await first_served(rurl, timeout_s, tries)
         d = router.controller.decisions[0]
         decision_wall = d.at + (time.time() - time.monotonic())
         inst = router.registry.get(inst_url)
@@ -182,6 +189,7 @@ async def one_start(model: str, path: str, how: str, log_dir: str, timeout_s: fl
             t["spawn"] = base.started_at.get(inst_url, float("nan"))
             t.update(milestones(os.path.join(log_dir, f"sglang-plain-{inst_url.rsplit(':', 1)[1]}.log")))
         row["phases_s"] = {n: round(t[b] - t[a], 3) for n, a, b in phases if a in t and b in t}
+        row["last_tries"] = [(round(w - decision_wall, 2), st, round(dt, 2)) for w, st, dt in tries]
         row["load_avg_1min_after"] = round(os.getloadavg()[0], 2)
     finally:
         await router.shutdown(2)
