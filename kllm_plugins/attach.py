@@ -101,11 +101,12 @@ class Attacher:
     def __init__(self, registry: HookRegistryLike) -> None:
         self.registry = registry
         self._pending: list[_Pending] = []
-        self.attached_targets: set[tuple[str, str]] = set()
+        self.attached_targets: set[tuple[str, str, str, str]] = set()
 
     def add(self, plugin: str, patches: tuple[PatchSpec, ...] | list[PatchSpec]) -> None:
         for patch in patches:
-            key = (plugin, patch.target)
+            # one plugin may hook a target twice (BEFORE and AFTER): the key is the whole patch
+            key = (plugin, patch.target, patch.kind, patch.impl)
             if key in self.attached_targets:
                 continue  # idempotent: a second registration in the same process is a no-op
             self.attached_targets.add(key)

@@ -41,3 +41,27 @@ def kllm_activate(config: Any, role: str) -> None:
     `role` is "main" or "subprocess". Use it to start per-process state (metrics, publishers).
     Only enabled plugins are called.
     """
+
+
+@hookspec
+def kllm_select_features(config: Any, server_args: Any) -> Any:
+    """Select an SGLang feature the plugin needs that the user left unset (launcher only).
+
+    Called once in the launcher, with SGLang's `ServerArgs` record just before SGLang resolves
+    it (its fields are still the user's input and may be assigned). Only do what cannot
+    surprise the user: fill a field left at its default, never override one the user set. Return
+    one line saying what was selected (the host logs it), or None.
+    """
+
+
+@hookspec
+def kllm_readiness(config: Any, server_args: Any) -> Any:
+    """Say whether the plugin will do anything with these server arguments (launcher only).
+
+    Called once in the launcher after SGLang resolved its server arguments and before any
+    model loads; `server_args` reads the resolved values by attribute. Return None when the
+    SGLang features the plugin attaches to are on, else a one-line reason naming the flags that
+    would make it work. The host logs it once as a warning, shows `inert: <reason>` in
+    `GET /kllm/plugins`, and under `KLLM_STRICT=1` stops start-up with it. Must not import SGLang
+    (read attributes only).
+    """

@@ -17,7 +17,7 @@ import pluggy
 
 from kllm_plugins import hookspecs
 from kllm_plugins.errors import KllmConfigError
-from kllm_plugins.options import resolve_options
+from kllm_plugins.options import name_problems, resolve_options
 from kllm_plugins.spec import PluginSpec
 
 logger = logging.getLogger("kllm.manager")
@@ -63,6 +63,7 @@ class KllmPluginManager:
         except pluggy.PluginValidationError as exc:
             raise KllmConfigError(f"kllm: invalid plugin implementation: {exc}") from None
         self.specs: dict[str, PluginSpec] = {}
+        self.warnings: list[str] = []
         self._objects_by_name: dict[str, object] = {}
         for plugin in self.pm.get_plugins():
             impl = getattr(plugin, "kllm_declare", None)
@@ -111,7 +112,14 @@ class KllmPluginManager:
         environ: Mapping[str, str] = os.environ,
         yaml_values: Mapping[str, Any] | None = None,
     ) -> list[EnabledPlugin]:
-        """Build each selected plugin's config (CLI > environment > YAML > default) and cross-validate."""
+        """Build each selected plugin's config (CLI > environment > YAML > default) and cross-validate.
+
+        Misspelt or misplaced option names (`options.name_problems`) are errors; the warnings
+        (names of plugins that are not enabled) are left in `self.warnings` for the caller to log.
+        """
+        errors, self.warnings = name_problems(self.specs, list(selection), cli_values or {}, environ, yaml_values or {})
+        if errors:
+            raise KllmConfigError(errors[0] + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""))
         enabled: list[EnabledPlugin] = []
         for name in selection:
             spec = self.specs[name]
@@ -139,3 +147,23 @@ class KllmPluginManager:
             fn = getattr(obj, "kllm_activate", None)
             if fn is not None:
                 fn(config=ep.config, role=role)
+
+    def select_features(self, enabled: list[EnabledPlugin], server_args: Any) -> list[tuple[str, str]]:
+        """`kllm_select_features` of each enabled plugin: (plugin, what it selected) for each that did."""
+        out = []
+        for ep in enabled:
+            fn = getattr(self._objects_by_name[ep.spec.name], "kllm_select_features", None)
+            chosen = fn(config=ep.config, server_args=server_args) if fn is not None else None
+            if chosen:
+                out.append((ep.spec.name, str(chosen)))
+        return out
+
+    def readiness(self, enabled: list[EnabledPlugin], server_args: Any) -> dict[str, str]:
+        """`kllm_readiness` of each enabled plugin: plugin -> why it would do nothing, for each inert one."""
+        inert: dict[str, str] = {}
+        for ep in enabled:
+            fn = getattr(self._objects_by_name[ep.spec.name], "kllm_readiness", None)
+            reason = fn(config=ep.config, server_args=server_args) if fn is not None else None
+            if reason:
+                inert[ep.spec.name] = str(reason)
+        return inert

@@ -8,8 +8,9 @@ arguments, resolve the same values.
 """
 from __future__ import annotations
 
+import difflib
 import os
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from kllm_plugins.errors import KllmConfigError
 from kllm_plugins.spec import OptionSpec, PluginSpec, parse_bool
@@ -56,10 +57,11 @@ def resolve_options(
     environ: Mapping[str, str],
     yaml_values: Mapping[str, Any],
 ) -> dict[str, Any]:
-    unknown = set(yaml_values) - {o.name for o in spec.options}
+    names = [o.name for o in spec.options]
+    unknown = sorted(set(yaml_values) - set(names))
     if unknown:
         raise KllmConfigError(
-            f"kllm: unknown YAML key(s) {sorted(unknown)} for plugin {spec.name!r}; valid: {[o.name for o in spec.options]}"
+            f"kllm: unknown YAML key(s) {unknown} for plugin {spec.name!r}{nearest(unknown[0], names)}; valid: {names}"
         )
     out: dict[str, Any] = {}
     for opt in spec.options:
@@ -93,3 +95,70 @@ def load_yaml_config(path: str | None) -> dict[str, Any]:
     if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
         raise KllmConfigError(f"kllm: config file {path!r} must map plugin names to option mappings")
     return data
+
+
+def nearest(name: str, candidates: Iterable[str]) -> str:
+    """"; nearest valid name: X" for the closest candidate, or "" when none is close."""
+    match = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
+    return f"; nearest valid name: {match[0]}" if match else ""
+
+
+def _plugin_of_env(var: str, specs: Mapping[str, PluginSpec]) -> str | None:
+    """The plugin whose `KLLM_<PLUGIN>_` prefix `var` has (the longest one), or None."""
+    best = None
+    for name in specs:
+        prefix = f"KLLM_{name.upper()}_"
+        if var.startswith(prefix) and (best is None or len(name) > len(best)):
+            best = name
+    return best
+
+
+def name_problems(
+    specs: Mapping[str, PluginSpec],
+    selection: list[str],
+    cli_values: Mapping[str, Any],
+    environ: Mapping[str, str],
+    yaml_values: Mapping[str, Any],
+) -> tuple[list[str], list[str]]:
+    """Misspelt or misplaced option names: (errors, warnings), each a one-line message naming
+    the nearest valid name.
+
+    Errors: a `KLLM_<PLUGIN>_*` variable of an enabled plugin that matches none of its options; a
+    YAML section that names no plugin, or a key that names no option of its plugin; a CLI option
+    of a plugin that is not enabled. Warnings: variables and YAML sections of plugins that are
+    not enabled (an environment or a config file may serve several launches).
+    """
+    errors: list[str] = []
+    warnings: list[str] = []
+    enabled = set(selection)
+    on = ", ".join(selection) or "none"
+    for var in sorted(environ):
+        plugin = _plugin_of_env(var, specs)
+        if plugin is None:
+            continue
+        valid = [env_name(plugin, o.name) for o in specs[plugin].options]
+        if var not in valid:
+            msg = f"kllm: {var} matches no option of plugin {plugin!r}{nearest(var, valid)}"
+            (errors if plugin in enabled else warnings).append(msg)
+        elif plugin not in enabled:
+            warnings.append(f"kllm: {var} is set but plugin {plugin!r} is not enabled (enabled: {on}); it has no effect")
+    for section in sorted(yaml_values):
+        if section not in specs:
+            errors.append(f"kllm: unknown YAML section {section!r}: names no plugin{nearest(section, specs)}; plugins: {', '.join(sorted(specs))}")
+            continue
+        keys = yaml_values[section] or {}
+        names = [o.name for o in specs[section].options]
+        for key in sorted(set(keys) - set(names)):
+            errors.append(f"kllm: unknown YAML key {section}.{key}: matches no option of plugin {section!r}{nearest(key, names)}")
+        if section not in enabled:
+            warnings.append(f"kllm: YAML section {section!r} is given but plugin {section!r} is not enabled (enabled: {on}); it has no effect")
+    for plugin, spec in sorted(specs.items()):
+        if plugin in enabled:
+            continue
+        for opt in spec.options:
+            if cli_values.get(cli_dest(plugin, opt.name)) is not None:
+                errors.append(
+                    f"kllm: {cli_flag(plugin, opt.name)} is an option of plugin {plugin!r}, which is not enabled "
+                    f"(enabled: {on}); add {plugin} to --enable-plugin or drop the option"
+                )
+    return errors, warnings

@@ -40,6 +40,23 @@ HOST_PATCHES: tuple[PatchSpec, ...] = (
         "for spawned subprocesses and enables the chosen plugins in the launcher",
         upstream="ServerArgs carrying plugin-owned options to subprocesses",
     ),
+    PatchSpec(
+        target="sglang.srt.server_args.ServerArgs.resolve_once",
+        impl="kllm_plugins.sglang_cli:before_resolve_once",
+        kind="before",
+        why="lets enabled plugins select an SGLang feature they need that the user left unset "
+        "(kllm_select_features), while the record is still the user's input",
+        upstream="a plugin hook in SGLang's server-argument resolution pipeline",
+    ),
+    PatchSpec(
+        target="sglang.srt.server_args.ServerArgs.resolve_once",
+        impl="kllm_plugins.sglang_cli:after_resolve_once",
+        kind="after",
+        why="asks each enabled plugin whether the resolved arguments turn on what it attaches to "
+        "(kllm_readiness): an inert plugin is logged once and shown in /kllm/plugins, or stops "
+        "start-up under KLLM_STRICT=1, before any model loads",
+        upstream="a plugin hook in SGLang's server-argument resolution pipeline",
+    ),
 )
 
 
@@ -79,6 +96,11 @@ class Host:
         self.reports: list[AttachReport] = []
         self.role = runtime.process_role()
         self._announced = False
+        self.inert: dict[str, str] = {}
+        """Enabled plugins that will do nothing with this server's arguments, and why (launcher)."""
+        self._features_selected = False
+        self._readiness_checked = False
+        self._warned: set[str] = set()
 
     def attach_host_patches(self) -> None:
         """The host's own patches, then the selected platform's (`platform_patches.py`)."""
@@ -90,6 +112,9 @@ class Host:
     def enable(self, selection: list[str], cli_values: Mapping[str, Any] | None = None) -> list[str]:
         """Build configs for `selection`, attach the plugins not yet attached, verify, activate."""
         built = self.manager.build(selection, cli_values or {}, os.environ, load_yaml_config(None))
+        if self.role == "main":
+            for msg in self.manager.warnings:
+                self.warn_once(msg)
         new = [ep for ep in built if ep.spec.name not in self.enabled]
         for ep in built:
             self.enabled[ep.spec.name] = ep
@@ -100,6 +125,37 @@ class Host:
         self._finish(report, [ep.spec.name for ep in new])
         self.manager.activate(new, self.role)
         return [ep.spec.name for ep in new]
+
+    def warn_once(self, msg: str) -> None:
+        if msg not in self._warned:
+            self._warned.add(msg)
+            logger.warning("%s", msg)
+
+    def select_features(self, server_args: Any) -> None:
+        """Before SGLang resolves the launcher's server arguments: `kllm_select_features`, once."""
+        if self.role != "main" or self._features_selected:
+            return
+        self._features_selected = True
+        for name, msg in self.manager.select_features(list(self.enabled.values()), server_args):
+            logger.info("kllm: %s: %s", name, msg)
+
+    def check_readiness(self, resolved: Any) -> None:
+        """After resolution, before any model loads: `kllm_readiness`, once. Inert plugins are
+        warned about (once) and recorded; under KLLM_STRICT=1 start-up stops."""
+        if self.role != "main" or self._readiness_checked:
+            return
+        self._readiness_checked = True
+        self.inert = self.manager.readiness(list(self.enabled.values()), resolved)
+        for name, reason in self.inert.items():
+            self.warn_once(f"kllm: plugin {name!r} is enabled but inert: {reason}")
+        if self.inert and runtime.strict():
+            name, reason = next(iter(self.inert.items()))
+            more = f" (and {len(self.inert) - 1} more)" if len(self.inert) > 1 else ""
+            raise SystemExit(f"error: KLLM_STRICT=1 and plugin {name!r} would do nothing: {reason}{more}")
+
+    def plugin_states(self) -> dict[str, str]:
+        """Each enabled plugin: "active", or "inert: <reason>"."""
+        return {name: f"inert: {self.inert[name]}" if name in self.inert else "active" for name in self.enabled}
 
     def _finish(self, report: AttachReport, new_names: list[str]) -> None:
         self.reports.append(report)

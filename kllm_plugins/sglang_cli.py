@@ -92,6 +92,21 @@ def around_from_cli_args(original: Callable[..., Any], cls: Any, args: argparse.
     return server_args
 
 
+def before_resolve_once(self: Any, *args: Any, **kwargs: Any) -> None:
+    """BEFORE `ServerArgs.resolve_once`: plugins select what they need (first record, launcher)."""
+    if not getattr(self, "_resolution_finished", False) and not getattr(self, "_resolution_failed", False):
+        _host().select_features(self)
+    return None
+
+
+def after_resolve_once(result: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
+    """AFTER `ServerArgs.resolve_once`: each enabled plugin's readiness (first record, launcher)."""
+    from sglang.srt.arg_groups.model_override_base import resolved_view
+
+    _host().check_readiness(resolved_view(self))
+    return result
+
+
 def install_http_routes() -> None:
     """Add GET /kllm/stats and GET /kllm/plugins to SGLang's FastAPI app (launcher only)."""
     from sglang.srt.entrypoints import http_server
@@ -108,6 +123,7 @@ def install_http_routes() -> None:
         return {
             "version": kllm_plugins.__version__,
             "enabled": list(h.enabled),
+            "state": h.plugin_states(),
             "available": h.manager.names(),
             "hooks": [
                 {"plugin": r.plugin, "target": r.target, "kind": r.kind, "ok": r.ok, "reason": r.reason}

@@ -4,8 +4,9 @@ platform needs, whatever plugins are enabled.
 The host applies this list in every SGLang process when the CPU platform is selected
 (`SGLANG_PLATFORM=kllm_cpu` or `KLLM_DEVICE=cpu`), verifies each target like a plugin's, and
 lists it in docs/PATCHES.md under `platform:kllm_cpu`. The implementations live in
-`hicache_compat.py` (and `kv_direct_copy.py`): HiCache's host pools and direct I/O ops assume
-CUDA-like platforms.
+`hicache_compat.py` (with `kv_direct_copy.py` and `kv_kernel_copy.py`): HiCache's host pools and
+I/O ops assume CUDA-like platforms; `server_args_check.py` refuses at start-up what the platform
+cannot serve.
 """
 from __future__ import annotations
 
@@ -26,8 +27,9 @@ PATCHES: tuple[PatchSpec, ...] = (
         target="sglang.srt.mem_cache.pool_host.mha",
         impl=f"{_COMPAT}:bind_direct_copy",
         kind="registry",
-        why="HiCache's direct I/O backend calls sgl_kernel's transfer_kv_direct, imported only on CUDA/HIP/XPU; "
-            "bind torch implementations where the names are missing",
+        why="HiCache's direct and kernel (default) I/O backends call sgl_kernel's kvcacheio ops, imported only on "
+            "CUDA/HIP/XPU (the first L2 write raises NameError); bind torch implementations where the names are "
+            "missing (direct: layer_first, page_first_direct; kernel: layer_first, page_first)",
         upstream="a torch fallback for kvcacheio ops (as _kvcacheio does for XPU)",
     ),
     PatchSpec(
@@ -38,5 +40,14 @@ PATCHES: tuple[PatchSpec, ...] = (
             "full square, so a cached prefix still costs its attention (40% of an L3 hit's request time on CPU); "
             "compute only the new tokens' rows under a causal mask shifted by the prefix, as GPU backends do",
         upstream="a prefix-aware extend in TorchNativeAttnBackend (its own TODO)",
+    ),
+    PatchSpec(
+        target="sglang.srt.server_args.ServerArgs.resolve_once",
+        impl="kllm_plugins.hardware.cpu.server_args_check:after_resolve_once",
+        kind="after",
+        why="refuse at start-up, in one line, what the CPU platform cannot serve (HiCache io-backend/layout "
+            "pairs without a torch copy, such as page_head; --attn-cp-size > 1, which torch_native has no CP "
+            "attention for) instead of a scheduler crash on the first batch",
+        upstream="a platform hook that validates resolved server arguments (SRTPlatform.check_server_args)",
     ),
 )

@@ -127,3 +127,17 @@ def kllm_activate(config: DsparkConfig, role: str) -> None:
             config.min_verify_len,
             config.max_verify_len or "gamma+1",
         )
+
+
+@hookimpl
+def kllm_readiness(config: Any, server_args: Any, environ: Any = os.environ) -> str | None:
+    """The plugin prices SGLang's DSPARK verify planner, which exists only under DSPARK speculation
+    with ragged verify."""
+    algo = getattr(server_args, "speculative_algorithm", None)
+    if str(algo or "").upper() != "DSPARK":
+        return (f"dspark drives SGLang's DSPARK verify planner, but speculative decoding is {algo or 'off'}; add "
+                "--speculative-algorithm DSPARK --speculative-draft-model-path <DSPARK draft with a confidence head> "
+                "(CUDA/NPU/XPU: SGLang refuses DSPARK on other devices)")
+    if environ.get(RAGGED_ENV) == "static":
+        return f"{RAGGED_ENV}=static turns SGLang's verify planner off; unset it (default {config.ragged_mode})"
+    return None

@@ -1,6 +1,7 @@
 """Layer: hook implementations (no SGLang import). Declares the fair_sched plugin to the host."""
 from __future__ import annotations
 
+from typing import Any
 
 from kllm_plugins.hookspecs import hookimpl
 from kllm_plugins.plugins.fair_sched.config import LOOP_ACTIONS, FairSchedConfig
@@ -25,14 +26,14 @@ PATCHES: tuple[PatchSpec, ...] = (
         target=f"{_POLICY}.calc_priority",
         impl=f"{ADAPTER}:around_calc_priority",
         kind="around",
-        why="admission order: one-chunk requests first, the next long request (oldest, or shortest within the overtake cap) right after the ones that fit beside it",
+        why="admission order: by key = prefill tokens processed at arrival + age_weight x uncached prompt (earliest deadline first on SGLang's hrrn clock)",
         upstream="a registry of schedule policies (--schedule-policy NAME from a plugin)",
     ),
     PatchSpec(
         target=f"{_POLICY}.shortest_prefill_chunk_limit",
         impl=f"{ADAPTER}:around_shortest_prefill_chunk_limit",
         kind="around",
-        why="cap the continuing chunk so waiting one-chunk requests share the pass or ride beside it (the stock cap exists only for shortest-prefill-first)",
+        why="cap the continuing chunk so waiting earlier-key requests share the pass or ride beside it (the stock cap exists only for shortest-prefill-first)",
         upstream="a chunk-limit hook that is not tied to one built-in policy",
     ),
     PatchSpec(
@@ -41,7 +42,7 @@ PATCHES: tuple[PatchSpec, ...] = (
         kind="around",
         why="PrefillAdder subclass: refuse a second partially prefilled request (stock refuses it only under "
         "shortest-prefill-first), admit nothing while the watermark gate is closed, and add the riding "
-        "one-chunk requests' extra tokens to the pass's chunk budget",
+        "earlier-key requests' extra tokens to the pass's chunk budget",
         upstream="none needed: this is SGLang's override point; a policy-neutral 'one chunked request' guard would drop the refusal",
     ),
     PatchSpec(
@@ -75,7 +76,7 @@ def kllm_declare() -> PluginSpec:
     d = FairSchedConfig()
     return PluginSpec(
         name="fair_sched",
-        summary="chunk-level fair prefill scheduling (one-chunk requests first, long prefills yield with growing quotas) "
+        summary="fair prefill scheduling (earliest deadline first by prompt size and age, riders beside the chunked prefill, yields with growing quotas) "
         "and decode KV protection (watermark gate, repetition-loop cut)",
         status="experimental",
         options=(
@@ -85,13 +86,12 @@ def kllm_declare() -> PluginSpec:
             OptionSpec("max_quota_tokens", int, d.max_quota_tokens, "largest turn quota (0: four budgets)"),
             OptionSpec("max_yields", int, d.max_yields, "yields after which a long prefill never yields again"),
             OptionSpec("long_min_share", float, d.long_min_share, "fraction of the pass budget the active long prefill keeps"),
-            OptionSpec("one_chunk_tokens", int, d.one_chunk_tokens, "uncached tokens up to which a request goes first (0: one budget)"),
             OptionSpec("decode_every_chunks", int, d.decode_every_chunks, "decode step after this many long-prefill chunks while requests decode (0: never)"),
             OptionSpec("decode_interval_s", float, d.decode_interval_s, "a decode step also waits until the last one is this old (0: chunk count only)"),
             OptionSpec("busy_decode_reqs", int, d.busy_decode_reqs, "while at least this many requests decode, a decode step after every long chunk (0: off)"),
             OptionSpec("decode_max_gap_s", float, d.decode_max_gap_s, "a decode step after any long chunk once the last decode is this old (0: off)"),
-            OptionSpec("short_extra_tokens", int, d.short_extra_tokens, "pass tokens beyond the budget for one-chunk requests riding along a full long chunk (-1: one budget, 0: off)"),
-            OptionSpec("long_overtake_max", int, d.long_overtake_max, "waiting long prompts go shortest first, each overtaken at most this often (0: FCFS)"),
+            OptionSpec("short_extra_tokens", int, d.short_extra_tokens, "pass tokens beyond the budget for earlier-key requests riding along the chunked prefill (-1: one budget, 0: off)"),
+            OptionSpec("age_weight", float, d.age_weight, "order key = prefill tokens processed at arrival + age_weight x uncached prompt (0: FCFS)"),
             OptionSpec("mixed_decode", parse_bool, d.mixed_decode, "running requests decode inside every prefill pass (SGLang's mixed chunk)"),
             OptionSpec("kv_high_watermark", float, d.kv_high_watermark, "KV usage that pauses admission of new requests"),
             OptionSpec("kv_low_watermark", float, d.kv_low_watermark, "KV usage below which admission resumes"),
@@ -104,3 +104,12 @@ def kllm_declare() -> PluginSpec:
         patches=PATCHES,
         config_factory=FairSchedConfig,
     )
+
+
+@hookimpl
+def kllm_readiness(config: Any, server_args: Any) -> str | None:
+    """The fair policy plans chunked-prefill passes; without chunked prefill it stays off."""
+    chunk = getattr(server_args, "chunked_prefill_size", None)
+    if chunk is not None and int(chunk) <= 0:
+        return f"chunked prefill is disabled (--chunked-prefill-size {chunk}); give it a positive size (e.g. 2048)"
+    return None

@@ -1,6 +1,8 @@
 """Layer: hook implementations (no SGLang import). Declares the incr_prefix plugin to the host."""
 from __future__ import annotations
 
+from typing import Any
+
 from kllm_plugins.hookspecs import hookimpl
 from kllm_plugins.plugins.incr_prefix.config import IncrPrefixConfig
 from kllm_plugins.spec import OptionSpec, PatchSpec, PluginSpec, parse_bool
@@ -81,3 +83,30 @@ def kllm_declare() -> PluginSpec:
         ),
         config_factory=IncrPrefixConfig,
     )
+
+
+BACKEND = "kllm_incremental"
+
+
+@hookimpl
+def kllm_select_features(config: Any, server_args: Any) -> str | None:
+    """Select the plugin's radix-cache backend when the user chose none (and the radix cache is on)."""
+    if getattr(server_args, "radix_cache_backend", None) is not None:
+        return None
+    if getattr(server_args, "disable_radix_cache", False) or getattr(server_args, "enable_unified_cache_external_linker", False):
+        return None
+    server_args.radix_cache_backend = BACKEND
+    return f"selected --radix-cache-backend {BACKEND} (none was given)"
+
+
+@hookimpl
+def kllm_readiness(config: Any, server_args: Any) -> str | None:
+    """The tail-only insert lives in the kllm_incremental radix cache."""
+    if isinstance(config, IncrPrefixConfig) and not config.enabled:
+        return "--kllm-incr-prefix-enabled is false; chunk checkpoints keep SGLang's whole-prefix insert"
+    if getattr(server_args, "disable_radix_cache", False):
+        return f"the radix cache is disabled (--disable-radix-cache); drop it and add --radix-cache-backend {BACKEND}"
+    backend = getattr(server_args, "radix_cache_backend", None)
+    if backend != BACKEND:
+        return f"incr_prefix needs --radix-cache-backend {BACKEND} (got {backend or 'the default cache'})"
+    return None

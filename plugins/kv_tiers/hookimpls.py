@@ -1,6 +1,8 @@
 """Layer: hook implementations (no SGLang import). Declares the kv_tiers plugin to the host."""
 from __future__ import annotations
 
+from typing import Any
+
 from kllm_plugins.hookspecs import hookimpl
 from kllm_plugins.plugins.kv_tiers.config import KvTiersConfig
 from kllm_plugins.spec import OptionSpec, PatchSpec, PluginSpec, parse_bool
@@ -160,3 +162,16 @@ def kllm_declare() -> PluginSpec:
         config_factory=KvTiersConfig,
     )
 
+
+KLLM_FILE_EXTRA = ('{"backend_name":"kllm_file","module_path":"kllm_plugins.plugins.kv_tiers.sglang_adapter",'
+                   '"class_name":"KllmFileStorage","hicache_storage_pass_prefix_keys":true}')
+MINIMAL_FLAGS = ("--enable-hierarchical-cache --hicache-io-backend direct --hicache-mem-layout layer_first "
+                 f"--hicache-storage-backend dynamic --hicache-storage-backend-extra-config '{KLLM_FILE_EXTRA}'")
+
+
+@hookimpl
+def kllm_readiness(config: Any, server_args: Any) -> str | None:
+    """Every kv_tiers hook sits on HiCache (its radix cache, host pools and storage threads)."""
+    if not getattr(server_args, "enable_hierarchical_cache", False):
+        return f"kv_tiers attaches to HiCache, which is off; add {MINIMAL_FLAGS}"
+    return None
