@@ -2,7 +2,8 @@
 
 Active health checks (and re-probing of instances that come up), polling of SGLang's
 `/v1/loads`, removal of drained instances, the scaling controller (instances it adds are
-checked at once, so a promoted standby serves without waiting for the next health round), and
+checked at once, a promoted standby by its /server_info alone, so it serves without waiting for
+the next health round), and
 pruning of idle upstream connections. Each loop survives its own failures.
 """
 from __future__ import annotations
@@ -65,6 +66,28 @@ class ControlLoops:
             except ConnectionError:
                 ok = False
         self.r.registry.mark_check(inst.url, ok)
+
+    async def _admit(self, inst: Instance, timeout: aiohttp.ClientTimeout) -> None:
+        """First check of an instance the controller just added. A promoted standby passed SGLang's
+        /health (a generated token) when it became ready and its process is running: the
+        /server_info probe (capacity, bootstrap port) is enough, which spares the >= 1 s that
+        SGLang's /health takes (it polls its own probe once a second). Others get the full check."""
+        how = getattr(self.r.actuator, "choices", {}).get(inst.url)
+        if getattr(how, "kind", None) != "promote":
+            return await self._check(inst, timeout)
+        session = self.r.session
+        assert session is not None
+        try:
+            info = await probe(session, inst.url)
+        except ConnectionError:
+            return await self._check(inst, timeout)
+        inst.capacity_tokens = info["capacity_tokens"] or inst.capacity_tokens
+        if inst.role is Role.PREFILL:
+            inst.bootstrap_port = inst.bootstrap_port or info["bootstrap_port"]
+        if info.get("kv_events") and not inst.kv_events:
+            inst.kv_events = info["kv_events"]
+            self.r.kv_feed.subscribe(inst)
+        self.r.registry.mark_check(inst.url, True)
 
     async def health_loop(self) -> None:
         r = self.r
@@ -143,7 +166,7 @@ class ControlLoops:
                 # an instance added by this step may be serving already (a promoted standby): check
                 # it now rather than at the next health round, so it takes traffic at once
                 joined = [i for i in r.registry if i.url not in before and i.health is Health.STARTING]
-                await asyncio.gather(*(self._check(i, check_timeout) for i in joined), return_exceptions=True)
+                await asyncio.gather(*(self._admit(i, check_timeout) for i in joined), return_exceptions=True)
                 for d in decisions:
                     if d.action != "hold":
                         r.metrics.scale_actions.labels(d.role.value, d.action).inc()
