@@ -230,9 +230,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--disaggregation-mode", default="null")
     ap.add_argument("--disaggregation-bootstrap-port", type=int, default=8998)
     ap.add_argument("--crash-on", default="", help="a request whose body contains this text kills the server")
+    ap.add_argument("--model-info-path", default="", help="model_path reported by /model_info")
+    ap.add_argument("--context-len", type=int, default=0, help="max_model_len reported by /v1/models")
     args, _ = ap.parse_known_args(argv)  # SGLang flags from an actuator are accepted and ignored
     fb = FakeBackend(ttft_s=args.ttft_s, tpot_s=args.tpot_s, role=args.disaggregation_mode,
-                     bootstrap_port=args.disaggregation_bootstrap_port, record=False, crash_on=args.crash_on)
+                     bootstrap_port=args.disaggregation_bootstrap_port, record=False, crash_on=args.crash_on,
+                     model_path=args.model_info_path, context_len=args.context_len)
     web.run_app(fb.app(), host=args.host, port=args.port, print=None, access_log=None)
 
 

@@ -108,10 +108,14 @@ class Exchange:
         _write(self.writer, head + chunk(first) if first else head)
 
     async def send(self, data: bytes) -> None:
-        """One piece of a stream; raises ConnectionResetError when the client has gone."""
+        """One piece of a stream; raises ConnectionResetError when the client is seen gone. Waits only
+        when the client reads slower than the stream comes (a drain per token costs a suspension; a
+        client gone between two writes is seen by the next write or by the watchdog)."""
+        w = self.writer
         if data:
-            _write(self.writer, chunk(data))
-        await _drain(self.writer)
+            _write(w, chunk(data))
+        if w.transport.get_write_buffer_size() > 65536 or w.transport.is_closing():
+            await _drain(w)
 
     async def end_stream(self, data: bytes = b"") -> None:
         _write(self.writer, chunk(data) + LAST_CHUNK if data else LAST_CHUNK)
