@@ -76,12 +76,13 @@ async def run(setup: str, args: argparse.Namespace, model: str) -> dict[str, Any
     router = Router(cfg, act, (Role.PLAIN,))
     log: list[tuple[float, int, float | None, str]] = []
     try:
-        act.start()
         port = await router.serve("127.0.0.1", 0)
         rurl = f"http://127.0.0.1:{port}"
         # the first instance: the controller's minimum (a cold start in both setups), then the standby
+        # (the filler starts afterwards, or the first scale-up would take the warming standby)
         while not router.registry.pool(Role.PLAIN, routable_only=True):
             await asyncio.sleep(0.5)
+        act.start()
         if setup == "standby":
             await asyncio.to_thread(act.wait_filled, 900)
         assert router.controller is not None
