@@ -1,0 +1,44 @@
+"""Run one case of one of SGLang's server kits (`sglang.test.kits.*`, unittest mixins) as a
+pytest test against a running set-up, without editing the kit.
+
+A kit mixin expects a `CustomTestCase` subclass with `base_url` and `process` (and some kits
+`model`, `flush_cache`, tuning attributes): `kit_case` builds that class around the kit, with
+the kit's own tuning attributes set where the CPU needs smaller numbers, and runs the one test
+method. Assertion errors are the kit's own.
+"""
+from __future__ import annotations
+
+import time
+import unittest
+import urllib.error
+import urllib.request
+from typing import Any
+
+
+def flush_cache(base_url: str, timeout_s: float = 60.0) -> None:
+    """SGLang's /flush_cache; it answers 400 while requests or storage operations are in flight."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"{base_url}/flush_cache", data=b"", timeout=60):
+                return
+        except urllib.error.HTTPError as exc:
+            if exc.code != 400 or time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def kit_case(kit: type, method: str, base_url: str, process: Any, flush_url: str | None = None,
+             **attrs: Any) -> None:
+    """Run `kit.<method>` against `base_url` (`process`: the server's Popen, which kits poll)."""
+    flush_target = flush_url or base_url
+    namespace = {
+        "base_url": base_url,
+        "process": process,
+        "model": "default",
+        "flush_cache": classmethod(lambda cls: flush_cache(flush_target)),
+        **attrs,
+    }
+    case_cls = type(f"{kit.__name__}OnKllm", (kit, unittest.TestCase), namespace)
+    case = case_cls(method)
+    getattr(case, method)()
