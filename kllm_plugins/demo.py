@@ -9,6 +9,12 @@ import time
 from kllm_plugins.testing.sglang_server import SGLangServer
 
 
+RANDOM_MODEL_NOTE = (
+    "note: the tiny model has random weights (seeded, built offline), so this answer is noise; it shows "
+    "that SGLang served the request through the plugins, not what a model would say (use --model smollm2)"
+)
+
+
 def run_demo(model: str, plugins: str, question: str) -> int:
     if model == "tiny":
         from kllm_plugins.models.tiny_llama import tiny_llama_path as build
@@ -34,6 +40,8 @@ def run_demo(model: str, plugins: str, question: str) -> int:
         )
         answer = reply["choices"][0]["message"]["content"]
         print(f"\nQ: {question}\nA: {answer}\n({time.monotonic() - t1:.2f}s)")
+        if model == "tiny":
+            print(RANDOM_MODEL_NOTE)
         time.sleep(0.5)
         info = server.get_json("/kllm/plugins")
         print(f"hooks: {sum(h['ok'] for h in info['hooks'])}/{len(info['hooks'])} attached")
