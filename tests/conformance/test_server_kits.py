@@ -56,9 +56,12 @@ CASES: list[tuple[type, str]] = [
     (PrefixCacheBranchingMixin, "test_prefix_cache_branching"),
     (AbortAllMixin, "test_abort_all"),
 ]
-SLOW = {"test_long_prompt", "test_finish_stop_eos", "test_abort_all"}
-# the slow cases (an ~8k-token prefill, a long free decode, 8 long decodes aborted) run on stock and
-# on every plugin together, not once per plugin: CI time on a 2-core CPU
+# Cases of long decodes or prefills on a CPU (an ~8k-token prompt, 128-token answers, 8 decodes
+# aborted): they run on stock and on every plugin together, not once per plugin (CI time on a
+# 2-core machine); every other case runs on every profile.
+SLOW = {"test_long_prompt", "test_finish_stop_eos", "test_abort_all", "test_concurrent_requests",
+        "test_basic_math", "test_color_completion", "test_ascii_ratio", "test_no_repetition_blowup",
+        "test_determinism_temp_zero", "test_finish_stop_regex_str"}
 SLOW_PROFILES = ("stock", "all")
 
 # kit attributes sized for a 2-core CPU (the kits' own knobs)
@@ -66,8 +69,18 @@ TUNING: dict[type, dict[str, Any]] = {
     AbortAllMixin: {"abort_all_num_requests": 8, "abort_all_max_new_tokens": 4000, "abort_all_sleep": 3},
 }
 
-# (kit method) -> why it fails on stock SGLang 0.5.23 on this platform as well
-STOCK_FAILS: dict[str, str] = {}
+# kit method -> why it fails on stock SGLang 0.5.23 on this platform as well (seen on the stock
+# profile; each is an expected failure on every profile, strict on stock)
+STOCK_FAILS: dict[str, str] = {
+    "test_concurrent_requests": "SmolLM2-135M does not answer the kit's capitals after its 'single word' "
+                                "system line (0/8 correct on stock); the kit expects a larger model",
+    "test_basic_math": "SmolLM2-135M answers 17 x 23 with '17' (a model too small for the kit's arithmetic)",
+    "test_prefix_cache_branching": "the kit expects no hit on the second prompt (a cache that only keeps "
+                                   "chunk-aligned Mamba checkpoints); SGLang's full-attention radix cache "
+                                   "hits the shared 256-token prefix, as it should",
+    "test_long_prompt": "the kit's 120 s request timeout: an ~8k-token prefill of SmolLM2 takes longer on a "
+                        "2-core CPU with torch_native attention",
+}
 
 # (profile, kit method) -> the plugin bug the kit found
 PLUGIN_FAILS: dict[tuple[str, str], str] = {}
@@ -104,11 +117,13 @@ def test_kit(setup: Any, case: tuple[type, str]) -> None:
 
 def test_radix_cache_server_kit_tree(setup: Any) -> None:
     """radix_cache_server_kit: one /generate batch of prompts that form a random radix tree (the
-    kit's own generator, seeded, 40 nodes of up to 48 tokens instead of 400 of 256: a CPU); every
+    kit's own generator, seeded, 12 nodes of up to 16 tokens instead of 400 of 256: a CPU); every
     request answers with as many tokens as it asked for, and a second pass over the same tree hits
     the prefix cache for most of its prompt tokens."""
     random.seed(28)
-    nodes = gen_radix_tree(num_nodes=40, chunk_len=48)
+    nodes = gen_radix_tree(num_nodes=12, chunk_len=16)
+    for n in nodes:  # the kit's root asks for 217 tokens: at most 16 each here
+        n["decode_len"] = min(n["decode_len"], 16)
     body = {"input_ids": [n["input_ids"] for n in nodes],
             "sampling_params": [{"max_new_tokens": n["decode_len"], "temperature": 0, "ignore_eos": True}
                                 for n in nodes]}
