@@ -50,4 +50,12 @@ PATCHES: tuple[PatchSpec, ...] = (
             "attention for) instead of a scheduler crash on the first batch",
         upstream="a platform hook that validates resolved server arguments (SRTPlatform.check_server_args)",
     ),
+    PatchSpec(
+        target="sglang.srt.server_args.ServerArgs.resolve_once",
+        impl="kllm_plugins.hardware.cpu.server_args_check:before_resolve_once",
+        kind="before",
+        why="refuse --attn-cp-size > 1 on the CPU in one line before SGLang's own CP resolution (assertions "
+            "with a traceback, then a scheduler crash on a shape mismatch: torch_native has no CP attention)",
+        upstream="a platform hook that validates server arguments before resolution",
+    ),
 )

@@ -10,8 +10,9 @@ first batch.
   (FlashAttention, TRT-LLM MHA, DSA); the platform's torch_native backend has no CP path, so
   the sharded queries meet unsharded K/V and the scheduler dies on a shape mismatch.
 
-`check(view)` is pure (reads attributes of SGLang's resolved view); `after_resolve_once` is the
-AFTER hook on `ServerArgs.resolve_once` listed in `patches.py`.
+`check_input(record)` and `check(view)` are pure (they read attributes of the raw record / SGLang's
+resolved view); `before_resolve_once` / `after_resolve_once` are the hooks on
+`ServerArgs.resolve_once` listed in `patches.py`.
 """
 from __future__ import annotations
 
@@ -30,6 +31,17 @@ def _working_list() -> str:
     return ", ".join(f"--hicache-io-backend {io} --hicache-mem-layout {layout}" for io, layout in HICACHE_WORKING)
 
 
+def check_input(cfg: Any) -> str | None:
+    """What the raw (unresolved) arguments ask for that kllm_cpu refuses before SGLang resolves
+    them (SGLang's own CP checks are assertions with a traceback), or None."""
+    cp = int(getattr(cfg, "attn_cp_size", 1) or 1)
+    if cp > 1:
+        return (f"kllm_cpu platform: --attn-cp-size {cp} is not supported: SGLang's context-parallel attention "
+                "exists only in its CUDA backends (FlashAttention, TRT-LLM MHA, DSA) and the CPU's torch_native "
+                "backend has none (use --attn-cp-size 1; ring_cp needs CUDA GPUs)")
+    return None
+
+
 def check(cfg: Any) -> str | None:
     """The one-line reason these (resolved) server arguments cannot run on kllm_cpu, or None."""
     if getattr(cfg, "enable_hierarchical_cache", False):
@@ -37,11 +49,15 @@ def check(cfg: Any) -> str | None:
         if pair not in HICACHE_WORKING:
             return (f"kllm_cpu platform: HiCache cannot move KV with --hicache-io-backend {pair[0]} "
                     f"--hicache-mem-layout {pair[1]} on the CPU; combinations that work: {_working_list()}")
-    cp = int(getattr(cfg, "attn_cp_size", 1) or 1)
-    if cp > 1:
-        return (f"kllm_cpu platform: --attn-cp-size {cp} is not supported: SGLang's context-parallel attention "
-                "exists only in its CUDA backends (FlashAttention, TRT-LLM MHA, DSA) and the CPU's torch_native "
-                "backend has none (use --attn-cp-size 1; ring_cp needs CUDA GPUs)")
+    return check_input(cfg)
+
+
+def before_resolve_once(self: Any, *args: Any, **kwargs: Any) -> None:
+    """BEFORE `ServerArgs.resolve_once`: refuse what the user's own arguments ask for."""
+    if not getattr(self, "_resolution_finished", False):
+        reason = check_input(self)
+        if reason is not None:
+            raise SystemExit(f"error: {reason}")
     return None
 
 
