@@ -22,20 +22,20 @@ class FairSchedConfig:
     """Yields after which a long request never yields again."""
     long_min_share: float = 0.25
     """Fraction of the pass budget the active long request keeps when it runs."""
-    one_chunk_tokens: int = 0
-    """Uncached prompt tokens up to which a request counts as one-chunk; 0: one budget."""
-    decode_every_chunks: int = 3
+    decode_every_chunks: int = 0
     """While requests decode, a long prefill sits out one pass (a decode step) after this many chunks; 0: never."""
     decode_interval_s: float = 0.0
     """With > 0, a decode step also waits until the last decode is this many seconds old (0: chunk count only)."""
-    busy_decode_reqs: int = 12
+    busy_decode_reqs: int = 0
     """While at least this many requests decode, a decode step comes after every long chunk; 0: off."""
     decode_max_gap_s: float = 0.0
     """With > 0, a decode step also comes after any long chunk once the last decode is this old; 0: off."""
+    decode_share: float = 0.08
+    """With > 0, while prefills wait a decode step comes once the prefill time since the last is (1 - share) / share decode steps."""
     short_extra_tokens: int = -1
-    """Extra pass tokens for one-chunk requests riding along a full long chunk; -1: one budget; 0: off (they share the budget)."""
-    long_overtake_max: int = 2
-    """Waiting long prompts go shortest first, each overtaken by at most this many younger ones; 0: first come first served."""
+    """Extra pass tokens for earlier-key requests riding beside the partial prefill; -1: three budgets; 0: off."""
+    age_weight: float = 8.0
+    """Order key = prefill tokens processed at arrival + age_weight x uncached prompt, smallest first (0: FCFS)."""
     mixed_decode: bool = False
     """Running requests decode one token inside every prefill pass (SGLang's mixed chunk), so prefills never stall them."""
     kv_high_watermark: float = 0.95
@@ -54,16 +54,18 @@ class FairSchedConfig:
     """Seconds between snapshots for /kllm/stats."""
 
     def __post_init__(self) -> None:
-        for name in ("budget_tokens", "base_quota_tokens", "max_quota_tokens", "one_chunk_tokens", "decode_every_chunks", "loop_min_tokens",
+        for name in ("budget_tokens", "base_quota_tokens", "max_quota_tokens", "decode_every_chunks", "loop_min_tokens",
                      "busy_decode_reqs"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.short_extra_tokens < -1:
             raise ValueError(f"short_extra_tokens must be >= -1 (-1: one budget), got {self.short_extra_tokens}")
-        if self.long_overtake_max < 0:
-            raise ValueError(f"long_overtake_max must be >= 0, got {self.long_overtake_max}")
+        if not 0.0 <= self.age_weight <= 1e6:
+            raise ValueError(f"age_weight must be in [0, 1e6], got {self.age_weight}")
         if not 0.0 <= self.decode_interval_s <= 60.0:
             raise ValueError(f"decode_interval_s must be in [0, 60], got {self.decode_interval_s}")
+        if not 0.0 <= self.decode_share < 1.0:
+            raise ValueError(f"decode_share must be in [0, 1), got {self.decode_share}")
         if not 0.0 <= self.decode_max_gap_s <= 60.0:
             raise ValueError(f"decode_max_gap_s must be in [0, 60], got {self.decode_max_gap_s}")
         if self.budget_tokens == 1:
@@ -110,12 +112,12 @@ class FairSchedConfig:
             max_quota_tokens=max(self.max_quota_tokens or 4 * budget, base),
             max_yields=self.max_yields,
             long_min_share=self.long_min_share,
-            one_chunk_tokens=self.one_chunk_tokens,
             decode_every_chunks=self.decode_every_chunks,
             page_size=page_size,
-            short_extra_tokens=budget if self.short_extra_tokens < 0 else self.short_extra_tokens,
-            long_overtake_max=self.long_overtake_max,
+            short_extra_tokens=3 * budget if self.short_extra_tokens < 0 else self.short_extra_tokens,
+            age_weight=self.age_weight,
             decode_interval_s=self.decode_interval_s,
             busy_decode_reqs=self.busy_decode_reqs,
             decode_max_gap_s=self.decode_max_gap_s,
+            decode_share=self.decode_share,
         )

@@ -11,8 +11,9 @@ KV allocator) into the core's plain types each pass and applies the core's decis
   parking inside `add_chunked_req`), `contains_last_prefill_chunk` and `init_new(chunked_req=)`
   stay right. The parked request keeps its `req_to_token` row and KV (already checkpointed:
   `prefix_len == extend_end`), and resumes from `prefix_len` on the next pass.
-* `SchedulePolicy.calc_priority` (around): one-chunk requests first, the oldest long request
-  right after those that fit beside its minimum share.
+* `SchedulePolicy.calc_priority` (around): the core's order, by key = SGLang's prefill-token
+  clock at arrival (`Req.arrival_processed_tokens`, kept for hrrn under every policy) +
+  age_weight x uncached prompt.
 * `SchedulePolicy.shortest_prefill_chunk_limit` (around): the long request's chunk cap.
 * `Scheduler.get_prefill_adder_class` (around): a `PrefillAdder` subclass that refuses a
   second truncated (partially prefilled) request and admits nothing while the watermark gate
@@ -90,7 +91,6 @@ class _State:
 
     def snapshot(self) -> dict[str, Any]:
         snap: dict[str, Any] = dict(self.counters)
-        snap["long_overtakes"] = self.policy.total_overtakes
         snap.update(self.gate.state())
         p = self.policy.params
         snap.update(budget_tokens=p.budget_tokens, base_quota_tokens=p.base_quota_tokens,
@@ -101,7 +101,7 @@ class _State:
             "quota_tokens": a.quota, "turn_used_tokens": a.turn_used, "yields": a.yields,
         }
         waiting = list(getattr(self.sched, "waiting_queue", None) or [])
-        longs = [r.rid for r in waiting if not self.policy.is_one_chunk(_work(r))]
+        longs = [r.rid for r in waiting if _work(r) > p.budget_tokens]
         snap["waiting_reqs"] = len(waiting)
         snap["waiting_long_reqs"] = len(longs)
         snap["waiting_long_rids"] = longs[:16]
@@ -156,7 +156,8 @@ def _work(req: Any) -> int:
 
 
 def _items(queue: list[Any]) -> list[WaitingItem]:
-    return [WaitingItem(r.rid, _work(r), r.time_stats.wait_queue_entry_time) for r in queue]
+    return [WaitingItem(r.rid, _work(r), r.time_stats.wait_queue_entry_time, int(getattr(r, "arrival_processed_tokens", 0) or 0))
+            for r in queue]
 
 
 def _kv_used(scheduler: Any) -> tuple[int, int]:
@@ -196,7 +197,7 @@ def around_get_new_batch_prefill_raw(original: Callable[..., Any], self: Any, *a
     # While the gate is closed nothing new is admitted, so there is nobody to yield to or reserve for.
     waiting = _items(self.waiting_queue) if st.admit else []
     now = time.monotonic()
-    plan = pol.plan(waiting, decode_running, budget, now=now, running_reqs=running_reqs) if cr is not None else PassPlan("admit")
+    plan = pol.plan(waiting, decode_running, budget, now=now, running_reqs=running_reqs)
     st.pass_budget = budget
     if plan.action == "yield":
         st.counters[f"yields_to_{plan.yield_to}"] += 1
@@ -209,11 +210,13 @@ def around_get_new_batch_prefill_raw(original: Callable[..., Any], self: Any, *a
         st.parked = cr
         st.pass_budget = None
         if mixing:
-            # The pass goes to blocked one-chunk requests whole: no decode rows in it this time.
+            # The pass goes to blocked earlier-key requests whole: no decode rows in it this time.
             self.is_mixed_chunk = False
+        st.extra_tokens = plan.extra_tokens  # a whole pass for them: budget + the riders' extra
         try:
             result = original(self, *args, **kwargs)
         finally:
+            st.extra_tokens = 0
             if self.chunked_req is not None:  # cannot happen: the adder refuses truncation while parked
                 logger.error("fair_sched: a request was truncated while %s was parked", cr.rid)
             self.chunked_req = cr
@@ -235,6 +238,8 @@ def around_get_new_batch_prefill_raw(original: Callable[..., Any], self: Any, *a
     batch = result[0] if isinstance(result, tuple) else None
     if batch is None and decode_running:
         pol.note_decode(now)  # no prefill this pass: the scheduler decodes the running requests
+    elif batch is not None:
+        pol.note_prefill()
     try:
         _observe(st, self, batch)
     except Exception:  # noqa: BLE001 - bookkeeping must never take the scheduler down
@@ -291,7 +296,7 @@ def around_calc_priority(original: Callable[..., Any], self: Any, waiting_queue:
     result = original(self, waiting_queue, *args, **kwargs)
     st = _state
     if st is not None and waiting_queue:
-        # Also for a single request: the policy tracks which waiting long requests were overtaken.
+        # Also for a single request: the policy keeps the keys it computed (for start_long).
         items = _items(waiting_queue)
         order = st.policy.order(items, st.pass_budget)
         waiting_queue[:] = [waiting_queue[i] for i in order]

@@ -40,7 +40,7 @@ def adapter(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     monkeypatch.setenv("KLLM_RUN_DIR", str(tmp_path))
     sglang_adapter.reset_for_tests()
     # Budget sharing (riding off) and FCFS long order here; the riding pass has its own test.
-    cfg = FairSchedConfig(decode_every_chunks=2, short_extra_tokens=0, long_overtake_max=0)
+    cfg = FairSchedConfig(decode_every_chunks=2, short_extra_tokens=0, decode_share=0.0, age_weight=8.0)
     sglang_adapter._state = sglang_adapter._State(cfg, 128, 1)
     yield sglang_adapter
     sglang_adapter.reset_for_tests()
@@ -70,10 +70,15 @@ def test_calc_priority_orders_a_real_waiting_queue(env: SimpleNamespace, adapter
     policy = env.SchedulePolicy("fcfs", env.cache, False, False, False)
     queue = [make_req(env, "L1", 900, 1.0), make_req(env, "s2", 60, 2.0), make_req(env, "s3", 100, 3.0),
              make_req(env, "s0", 20, 0.5)]
+    # The key reads SGLang's own prefill-token clock at arrival (hrrn's): L1 arrived 8000 tokens
+    # earlier, so with age_weight 8 it is ahead of s3 (8000 + 800 > 0 + 7200 ... see keys below).
+    for r, clock in zip(queue, (0, 7600, 8000, 7990)):
+        r.arrival_processed_tokens = clock
     adapter.around_calc_priority(env.SchedulePolicy.calc_priority, policy, queue, None)
-    # One-chunk first; the long request goes right after those that fit beside its 32-token share.
-    assert [r.rid for r in queue] == ["s0", "s2", "L1", "s3"]
-    adapter._state.policy.start_long("X", 5000)
+    # keys: L1 0 + 8 x 900 = 7200; s2 7600 + 480 = 8080; s3 8000 + 800 = 8800; s0 7990 + 160 = 8150
+    assert [r.rid for r in queue] == ["L1", "s2", "s0", "s3"]
+    for r in queue:
+        r.arrival_processed_tokens = 0  # same arrival clock: smallest work first
     adapter.around_calc_priority(env.SchedulePolicy.calc_priority, policy, queue, None)
     assert [r.rid for r in queue] == ["s0", "s2", "s3", "L1"]
 
@@ -167,9 +172,10 @@ def test_pass_planner_yields_by_detaching_the_chunked_request(env: SimpleNamespa
     adapter.around_get_new_batch_prefill_raw(original, sched, prefill_delayer_single_pass=None, running_batch=running)
     assert seen[-1] == (long_req, None, 88)
 
-    # With requests decoding and two chunks since the last decode step, the pass goes to decode.
+    # With requests decoding and two prefill passes since the last decode step, the pass goes to decode.
     st.policy.record_run("long", 88)
-    st.policy.record_run("long", 128)
+    st.policy.note_prefill()
+    st.policy.note_prefill()
     decoding = make_req(env, "dec", 10, 3.0)
     running_dec = env.ScheduleBatch(reqs=[decoding], batch_is_full=False)
     calls = len(seen)
@@ -183,7 +189,7 @@ def test_pass_planner_yields_by_detaching_the_chunked_request(env: SimpleNamespa
     sched.waiting_queue = []
     adapter.around_get_new_batch_prefill_raw(original, sched, prefill_delayer_single_pass=None, running_batch=running_dec)
     assert len(seen) == calls + 1  # one decoding request: the long request runs
-    st.policy.record_run("long", 128)
+    st.policy.note_prefill()
     busy = env.ScheduleBatch(reqs=[make_req(env, f"d{i}", 10, 4.0) for i in range(3)], batch_is_full=False)
     out = adapter.around_get_new_batch_prefill_raw(original, sched, prefill_delayer_single_pass=None, running_batch=busy)
     assert out == (None, busy) and len(seen) == calls + 1
@@ -193,7 +199,8 @@ def test_pass_planner_yields_by_detaching_the_chunked_request(env: SimpleNamespa
 def test_riding_pass_keeps_the_long_chunk_whole_and_admits_the_short_beside_it(env: SimpleNamespace, adapter: Any) -> None:
     from kllm_plugins.plugins.fair_sched.config import FairSchedConfig
 
-    adapter._state = st = adapter._State(FairSchedConfig(), 128, 1)  # defaults: one budget of extra tokens
+    # Riding only (the chunk keeps its whole budget: minimum share 1.0); defaults: three budgets of extra tokens.
+    adapter._state = st = adapter._State(FairSchedConfig(long_min_share=1.0), 128, 1)
     long_req = make_req(env, "ride-long", 3000, 0.0)
     long_req.init_next_round_input(env.cache)
     st.policy.start_long("ride-long", 3000)

@@ -88,8 +88,8 @@ def test_config_defaults_and_quota_params() -> None:
     qp = cfg.quota_params(128, page_size=16)
     assert (qp.budget_tokens, qp.base_quota_tokens, qp.max_quota_tokens, qp.page_size) == (128, 128, 512, 16)
     assert qp.decode_every_chunks == cfg.decode_every_chunks
-    # Riding one-chunk requests get one budget on top by default (-1); 0 turns riding off.
-    assert (qp.short_extra_tokens, qp.long_overtake_max) == (128, cfg.long_overtake_max)
+    # Riding earlier-key requests get three budgets on top by default (-1); 0 turns riding off.
+    assert (qp.short_extra_tokens, qp.age_weight, qp.decode_share) == (384, cfg.age_weight, cfg.decode_share)
     assert FairSchedConfig(short_extra_tokens=0).quota_params(128).short_extra_tokens == 0
     assert FairSchedConfig(short_extra_tokens=48, decode_interval_s=0.3).quota_params(128).decode_interval_s == 0.3
     qp2 = FairSchedConfig(budget_tokens=256, base_quota_tokens=64, max_quota_tokens=300).quota_params(128)
@@ -100,7 +100,7 @@ def test_config_defaults_and_quota_params() -> None:
     ("quota_growth", 0.5), ("long_min_share", 0.0), ("kv_high_watermark", 1.5), ("kv_low_watermark", 0.99),
     ("loop_action", "explode"), ("max_yields", -1), ("budget_tokens", 1), ("loop_min_tokens", 1),
     ("decode_every_chunks", -2), ("publish_interval_s", 0.0), ("loop_max_retracts", -1),
-    ("short_extra_tokens", -2), ("long_overtake_max", -1), ("decode_interval_s", -0.1),
+    ("short_extra_tokens", -2), ("age_weight", -1.0), ("decode_share", 1.0), ("decode_interval_s", -0.1),
     ("busy_decode_reqs", -1), ("decode_max_gap_s", -0.1),
 ])
 def test_config_errors_name_the_field(field: str, value: Any) -> None:

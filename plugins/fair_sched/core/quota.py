@@ -1,53 +1,44 @@
 """Layer: plugin core (no SGLang import). The chunk-level fair prefill policy.
 
-The chunk is the unit of scheduling. Every scheduler pass has a KV budget of `budget_tokens`
-new KV slots (SGLang's chunked-prefill size). Within it:
+Every scheduler pass has a KV budget of `budget_tokens` new KV slots (SGLang's chunked-prefill
+size). The rule is one order over all requests with prefill work left, by a static key
 
-* a request whose whole prompt fits in one chunk ("one-chunk" request) goes first, in arrival
-  order, and is prefilled whole in one pass;
-* at most one long request is active (partially prefilled) at a time. On a pass where it runs,
-  it keeps at least `min_long_tokens` of the budget and the rest is reserved for waiting
-  one-chunk requests, which share the pass with it;
-* a long request has a turn quota (tokens it may prefill before it must offer the engine back).
-  When it has used its quota and one-chunk prompts too large to share the pass beside its
-  minimum share are waiting, it yields for exactly one pass at a chunk boundary. It keeps the KV it
-  has computed (SGLang's request row holds it; nothing is recomputed) and resumes where it
-  stopped. Its quota grows by `quota_growth` with every yield, up to `max_quota_tokens`, and
-  after `max_yields` yields it never yields again.
-* while other requests are decoding, the long request also sits out one pass (a decode step)
-  after every `decode_every_chunks` of its chunks, so their decode is not stalled for the
-  whole long prefill. This costs a bounded fraction and does not change its quota.
+    key(r) = clock(r) + age_weight x work(r)
 
-Why one active long request and not several: long requests compete only with each other for
-the part of the budget the one-chunk requests leave; serving them first-come-first-served
-(one at a time) gives each long request the smallest mean completion time, whereas sharing
-the budget among several (processor sharing) delays all of them. SGLang's single chunked
-slot therefore is not what limits fairness here.
+`clock(r)` is the engine's count of prefill tokens processed when r arrived (SGLang keeps it:
+`Scheduler.processed_tokens_counter`, `Req.arrival_processed_tokens`, the clock of its `hrrn`
+policy) and `work(r)` its uncached prompt. Smaller keys go first: earliest deadline first with
+deadline = arrival + age_weight x size, on a clock that only moves with prefill work. Two
+waiting requests keep their relative order forever (both age at the same rate), so a request of
+work w is overtaken only by requests that arrive before the engine has processed
+age_weight x w more tokens; age_weight -> infinity is shortest-prefill-first, 0 is FCFS. There
+is no "short" or "long" class and no threshold tied to the chunk size.
 
-* with `short_extra_tokens` > 0 the long request is not cut down at all: waiting one-chunk
-  requests ride along its full chunk in up to `short_extra_tokens` extra tokens of that pass
-  (a pass then costs the long chunk plus a few short-context tokens, instead of a smaller long
-  chunk and one more pass at long context later); only those that do not fit there can make it
-  yield (quota rules above).
-* with `busy_decode_reqs` > 0, while at least that many requests decode the decode step comes
-  after every long chunk (TPOT of many decoding requests is worth a decode step per chunk; with
-  few of them, every `decode_every_chunks`).
-* with `decode_max_gap_s` > 0 a decode step also comes after any chunk once the last decode is
-  that old (long chunks at 6-8K context take ~0.5-0.8 s on this CPU, so "every third chunk" can
-  leave a few decoding requests waiting 2 s for a token).
-* among waiting long requests, `long_overtake_max` > 0 starts the shortest first (smaller mean
-  completion time), but no long request is overtaken by more than `long_overtake_max` younger
-  ones; 0 keeps them first-come-first-served.
+SGLang keeps one partially prefilled request (`Scheduler.chunked_req`, the "active" request
+here). While one is active:
 
-Starvation bound (`pass_bound`): once a long request of W uncached tokens is active, every
-pass either runs at least min(remaining, m) of its tokens (m = the full budget with
-`short_extra_tokens`, else `min_long_tokens`) or is a yield; it yields to one-chunk requests at
-most `yield_bound(W)` times and to decode at most once per `decode_every_chunks` running passes;
-so it completes within R + yield_bound(W) + ceil(R / decode_every_chunks) passes (R decode
-passes with `busy_decode_reqs` or `decode_max_gap_s`),
-R = ceil(W / m). A waiting long request is started on the first pass in which no long request is
-active, behind the older long requests and at most `long_overtake_max` younger (shorter) ones:
-`order` puts it right after the one-chunk requests that fit beside its minimum share.
+* waiting requests with a smaller key than the active one ride along its chunk, whole, in up to
+  `short_extra_tokens` tokens beyond the budget (the active chunk is not cut down: a cut-down
+  chunk at long context means one more expensive pass later);
+* when an earlier-key request does not fit there but would fit in a whole pass (budget + extra),
+  the active request yields one pass at a chunk boundary once it has used its turn quota. It
+  keeps its KV and resumes where it stopped. The quota grows by `quota_growth` with every yield,
+  up to `max_quota_tokens`, and after `max_yields` yields it never yields again;
+* while other requests are decoding it also sits out one pass (a decode step) after every
+  `decode_every_chunks` chunks (every chunk while >= `busy_decode_reqs` decode, or once the last
+  decode is `decode_max_gap_s` old); this does not touch its quota.
+Earlier-key requests larger than a whole pass wait for the active request to finish (SGLang
+cannot hold a second partial request; `core/partial.py` plans several for an engine that can).
+
+Starvation bounds (property-tested in tests/unit/test_fair_sched_core.py on a simulated clock):
+
+* `pass_bound`: once a request of W uncached tokens is active, it completes within
+  R + yield_bound(W) + ceil(R / spacing) passes, R = ceil(W / m) (m = the budget with riding,
+  else `min_long_tokens`), spacing = the decode-step spacing (1 with `busy_decode_reqs` or
+  `decode_max_gap_s`).
+* `overtake window`: no request that arrived after the clock passed key(r) is served before r
+  (except beside it, in budget r could not use), so the prefill work ahead of r is the work of
+  requests present at its arrival plus what arrives within age_weight x W processed tokens.
 """
 from __future__ import annotations
 
@@ -75,21 +66,22 @@ class QuotaParams:
     """After this many yields a long request never yields again (0 disables yielding)."""
     long_min_share: float
     """Fraction of the pass budget the active long request always keeps when it runs."""
-    one_chunk_tokens: int = 0
-    """Work up to this many tokens counts as a one-chunk request; 0 means budget_tokens."""
     decode_every_chunks: int = 0
     """While requests are decoding, give them one pass after every this many long chunks (0: never)."""
     page_size: int = 1
     short_extra_tokens: int = 0
     """Pass tokens beyond the budget for one-chunk requests riding along a full long chunk (0: they share the budget)."""
-    long_overtake_max: int = 0
-    """Waiting long requests go shortest first, each overtaken by at most this many younger ones (0: FCFS)."""
+    age_weight: float = 1.0
+    """key = arrival clock (prefill tokens processed) + age_weight x work; smaller first (0: FCFS)."""
     decode_interval_s: float = 0.0
     """With > 0: a decode step comes when the last one is this old (and at least max(decode_every_chunks, 1) chunks ago)."""
     busy_decode_reqs: int = 0
     """While at least this many requests decode, a decode step comes after every long chunk (0: off)."""
     decode_max_gap_s: float = 0.0
     """With > 0: a decode step also comes after any chunk once the last decode is this old (0: off)."""
+    decode_share: float = 0.0
+    """With > 0: while prefills wait, a decode step comes once the prefill time since the last one is
+    (1 - share) / share x the measured decode-step time (decode steps take about this share of the time)."""
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -108,24 +100,20 @@ class QuotaParams:
             raise ValueError(f"max_yields must be >= 0, got {self.max_yields}")
         if not 0.0 < self.long_min_share <= 1.0:
             raise ValueError(f"long_min_share must be in (0, 1], got {self.long_min_share}")
-        if self.one_chunk_tokens < 0:
-            raise ValueError(f"one_chunk_tokens must be >= 0, got {self.one_chunk_tokens}")
         if self.decode_every_chunks < 0:
             raise ValueError(f"decode_every_chunks must be >= 0, got {self.decode_every_chunks}")
         if self.short_extra_tokens < 0:
             raise ValueError(f"short_extra_tokens must be >= 0, got {self.short_extra_tokens}")
         if not self.decode_interval_s >= 0.0:
             raise ValueError(f"decode_interval_s must be >= 0, got {self.decode_interval_s}")
-        if self.long_overtake_max < 0:
-            raise ValueError(f"long_overtake_max must be >= 0, got {self.long_overtake_max}")
+        if not self.age_weight >= 0.0:
+            raise ValueError(f"age_weight must be >= 0, got {self.age_weight}")
         if self.busy_decode_reqs < 0:
             raise ValueError(f"busy_decode_reqs must be >= 0, got {self.busy_decode_reqs}")
         if not self.decode_max_gap_s >= 0.0:
             raise ValueError(f"decode_max_gap_s must be >= 0, got {self.decode_max_gap_s}")
-
-    @property
-    def one_chunk_limit(self) -> int:
-        return self.one_chunk_tokens or self.budget_tokens
+        if not 0.0 <= self.decode_share < 1.0:
+            raise ValueError(f"decode_share must be in [0, 1), got {self.decode_share}")
 
     @property
     def min_long_tokens(self) -> int:
@@ -136,7 +124,7 @@ class QuotaParams:
     @property
     def decode_spacing_chunks(self) -> int:
         """Fewest long chunks between two decode steps (0: no decode steps)."""
-        if self.busy_decode_reqs or self.decode_max_gap_s > 0:
+        if self.busy_decode_reqs or self.decode_max_gap_s > 0 or self.decode_share > 0:
             return 1
         if self.decode_interval_s > 0:
             return max(self.decode_every_chunks, 1)
@@ -153,7 +141,7 @@ class QuotaParams:
     @property
     def long_run_tokens(self) -> int:
         """Tokens the active long request prefills at least on a running pass (before its last)."""
-        return self.budget_tokens if self.short_extra_tokens else self.min_long_tokens
+        return self.min_long_tokens
 
     @property
     def max_pass_tokens(self) -> int:
@@ -198,8 +186,10 @@ def pass_bound(work_tokens: int, params: QuotaParams, first_chunk: int | None = 
     else:
         run_passes = 1 + -(-(work_tokens - first_chunk) // m)
     spacing = params.decode_spacing_chunks
-    decode_passes = -(-run_passes // spacing) if spacing else 0
-    return run_passes + yield_bound(work_tokens, params) + decode_passes
+    yields = yield_bound(work_tokens, params)
+    # Decode steps count every prefill pass (its own and the yields), not only its chunks.
+    decode_passes = -(-(run_passes + yields) // spacing) if spacing else 0
+    return run_passes + yields + decode_passes
 
 
 def solo_passes(work_tokens: int, params: QuotaParams) -> int:
@@ -228,17 +218,26 @@ class WaitingItem:
     rid: str
     work_tokens: int
     """Tokens still to prefill (prompt minus cached prefix)."""
-    seq: int
-    """Arrival order (smaller is older)."""
+    seq: float
+    """Arrival order (smaller is older; ties of the key go to the older request)."""
+    clock: int = 0
+    """Prefill tokens the engine had processed when the request arrived (SGLang: arrival_processed_tokens)."""
+
+
+def order_key(item: WaitingItem, params: QuotaParams) -> tuple[float, float]:
+    """The policy's static key (see module doc): arrival clock + age_weight x work, then age."""
+    return (item.clock + params.age_weight * item.work_tokens, item.seq)
 
 
 @dataclass
 class LongState:
-    """The active long request's progress and quota."""
+    """The active (partially prefilled) request's progress and quota."""
 
     rid: str
     work_tokens: int
     quota: int
+    key: float = math.inf
+    """Its order key, fixed when it started."""
     computed_tokens: int = 0
     turn_used: int = 0
     yields: int = 0
@@ -257,14 +256,14 @@ class LongState:
 @dataclass(frozen=True)
 class PassPlan:
     action: PlanAction
-    """admit: no long request active; run: it runs (with long_limit); yield: it sits this pass out."""
+    """admit: no request active; run: the active one runs (with long_limit); yield: it sits this pass out."""
     long_limit: int | None = None
-    """Cap on the long request's chunk this pass (None: the whole remaining budget)."""
+    """Cap on the active request's chunk this pass (None: the whole remaining budget)."""
     yield_to: YieldTo | None = None
     reserved_tokens: int = 0
-    """Budget reserved for waiting one-chunk requests."""
+    """Budget reserved for waiting earlier-key requests."""
     extra_tokens: int = 0
-    """Tokens added to this pass's budget for them (`short_extra_tokens`; the long chunk keeps the budget)."""
+    """Tokens added to this pass's budget for them (`short_extra_tokens`; the active chunk keeps the budget)."""
 
 
 class FairPolicy:
@@ -278,58 +277,28 @@ class FairPolicy:
         self.total_yields_to_decode = 0
         self.last_decode_s = -math.inf
         """Clock of the last pass that decoded (`note_decode`, or a decode yield of `plan`)."""
-        self.overtaken: dict[str, int] = {}
-        """Waiting long request -> younger long requests started before it."""
-        self.total_overtakes = 0
-        self._waiting_longs: list[WaitingItem] = []
+        self.prefills_since_decode = 0
+        """Prefill passes since the last decode (decode steps are spaced in prefill passes)."""
+        self.decode_cost_s: float | None = None
+        """Moving average of a decode step's duration (with `decode_share`)."""
+        self.last_decode_end_s = -math.inf
+        self._decode_began: float | None = None
+        self._keys: dict[str, float] = {}
+        """Keys of the requests seen by the last `order` call (for `start_long`)."""
 
-    def is_one_chunk(self, work_tokens: int) -> bool:
-        return work_tokens <= self.params.one_chunk_limit
+    def key(self, item: WaitingItem) -> tuple[float, float]:
+        return order_key(item, self.params)
 
     # -- ordering --------------------------------------------------------------------------
     def order(self, waiting: Sequence[WaitingItem], budget: int | None = None) -> list[int]:
-        """Admission order (indices into `waiting`): one-chunk requests first, oldest first.
-
-        With no long request active, the next long request (the oldest; with `long_overtake_max`
-        the shortest, unless an older one was overtaken that often) is placed right after the
-        one-chunk requests that fit beside its minimum share, so it starts this pass. `budget`:
-        this pass's budget when it is smaller than `budget_tokens` (decode rows riding along).
-        """
-        idx = sorted(range(len(waiting)), key=lambda i: waiting[i].seq)
-        shorts = [i for i in idx if self.is_one_chunk(waiting[i].work_tokens)]
-        longs = [i for i in idx if not self.is_one_chunk(waiting[i].work_tokens)]
-        self._waiting_longs = [waiting[i] for i in longs]
-        if not longs:
-            return shorts
-        # The next long request leads the longs even while one is active: SGLang frees the chunked
-        # slot inside the pass that runs the active one's last chunk, and the first waiting long
-        # request is then truncated into what is left of that pass.
-        first = self._next_long(longs, waiting)
-        longs.remove(first)
-        longs.insert(0, first)
-        if self.active is not None:
-            return shorts + longs
-        room = self._budget(budget) - self.params.min_long_tokens
-        used = 0
-        cut = 0
-        for i in shorts:
-            charge = self.params.ceil_page(waiting[i].work_tokens)
-            if used + charge > room:
-                break
-            used += charge
-            cut += 1
-        return shorts[:cut] + longs[:1] + shorts[cut:] + longs[1:]
-
-    def _next_long(self, longs: list[int], waiting: Sequence[WaitingItem]) -> int:
-        """Index of the long request to start: the oldest (FCFS), or with `long_overtake_max` the
-        shortest unless an older one has been overtaken that many times already."""
-        cap = self.params.long_overtake_max
-        if not cap:
-            return longs[0]
-        for i in longs:  # oldest first
-            if self.overtaken.get(waiting[i].rid, 0) >= cap:
-                return i
-        return min(longs, key=lambda i: (waiting[i].work_tokens, waiting[i].seq))
+        """Admission order (indices into `waiting`): by key, smallest first. SGLang admits whole
+        requests in this order and truncates the first that does not fit when no request is
+        active (it becomes the active one), so the same order serves both cases. `budget` is
+        accepted for symmetry with `plan` (the order does not depend on it)."""
+        del budget
+        keys = [self.key(w) for w in waiting]
+        self._keys = {w.rid: k[0] for w, k in zip(waiting, keys)}
+        return sorted(range(len(waiting)), key=lambda i: keys[i])
 
     # -- per pass --------------------------------------------------------------------------
     def _budget(self, budget: int | None) -> int:
@@ -341,94 +310,116 @@ class FairPolicy:
     def note_decode(self, now: float) -> None:
         """A pass decoded the running requests at clock `now` (seconds)."""
         self.last_decode_s = now
+        self.prefills_since_decode = 0
+        self._decode_began = now
 
-    def _decode_due(self, a: LongState, now: float | None, running_reqs: int | None) -> bool:
+    def _clock(self, now: float | None) -> None:
+        """The first call after a decode pass ends it: its duration feeds the decode-cost estimate."""
+        if now is None or self._decode_began is None:
+            return
+        took = max(now - self._decode_began, 0.0)
+        self.decode_cost_s = took if self.decode_cost_s is None else 0.8 * self.decode_cost_s + 0.2 * took
+        self.last_decode_end_s = now
+        self._decode_began = None
+
+    def note_prefill(self) -> None:
+        """A pass prefilled something (any request): it counts toward the next decode step."""
+        self.prefills_since_decode += 1
+
+    def _decode_due(self, now: float | None, running_reqs: int | None) -> bool:
         p = self.params
-        if p.decode_max_gap_s > 0 and now is not None and a.chunks_since_decode >= 1 \
+        n = self.prefills_since_decode
+        if p.decode_share > 0 and now is not None and n >= 1:
+            if self.decode_cost_s is None:
+                return True  # measure one
+            return now - self.last_decode_end_s >= self.decode_cost_s * (1.0 - p.decode_share) / p.decode_share
+        if p.decode_max_gap_s > 0 and now is not None and n >= 1 \
                 and now - self.last_decode_s >= p.decode_max_gap_s:
-            return True  # the running requests' last token is that old: a step whatever the chunk count
+            return True  # the running requests' last token is that old: a step whatever the pass count
         spacing = p.spacing_for(running_reqs)
-        if not spacing or a.chunks_since_decode < spacing:
+        if not spacing or n < spacing:
             return False
         busy = bool(p.busy_decode_reqs) and running_reqs is not None and running_reqs >= p.busy_decode_reqs
         if p.decode_interval_s > 0 and now is not None and not busy:
             return now - self.last_decode_s >= p.decode_interval_s
         return True
 
+    def _fitting(self, items: Sequence[WaitingItem], room: int) -> tuple[int, int]:
+        """(how many of `items`, in order, fit whole in `room`; their page-rounded tokens)."""
+        used = 0
+        n = 0
+        for w in items:
+            charge = self.params.ceil_page(w.work_tokens)
+            if used + charge > room:
+                break
+            used += charge
+            n += 1
+        return n, used
+
     def plan(self, waiting: Sequence[WaitingItem], decode_running: bool, budget: int | None = None,
              now: float | None = None, running_reqs: int | None = None) -> PassPlan:
-        """Decide this pass for the active long request (if any). A yield is committed here.
+        """Decide this pass for the active request (if any). A yield is committed here.
         `budget`: this pass's budget when smaller than `budget_tokens` (decode rows riding along
-        take part of it); `now`: the clock in seconds (for `decode_interval_s`); `running_reqs`:
-        how many requests decode (for `busy_decode_reqs`); a yield pass gets the whole
-        `budget_tokens` (the adapter does not mix decode rows into it), so a blocked one-chunk
-        request fits there."""
-        a = self.active
-        if a is None:
-            return PassPlan("admit")
+        take part of it); `now`: the clock in seconds (for the decode clocks); `running_reqs`:
+        how many requests decode (for `busy_decode_reqs`)."""
         p = self.params
-        shorts = sorted((w for w in waiting if self.is_one_chunk(w.work_tokens)), key=lambda w: w.seq)
-        pass_budget = self._budget(budget)
-        # Riding along (short_extra_tokens): the long chunk keeps the whole pass budget and the
-        # one-chunk requests get tokens on top; else they take budget beyond its minimum share.
-        room = p.ceil_page(p.short_extra_tokens) if p.short_extra_tokens else pass_budget - p.min_long_tokens
-        reserved = 0
-        fitted = 0
-        for w in shorts:
-            charge = p.ceil_page(w.work_tokens)
-            if reserved + charge > room:
-                break
-            reserved += charge
-            fitted += 1
-        blocked = fitted < len(shorts)
-        if decode_running and self._decode_due(a, now, running_reqs):
-            # Decode steps do not wait for the whole long prefill; this costs the long request
-            # at most one decode step per `decode_spacing_chunks` chunks (fewer with
-            # `decode_interval_s`: only when the running requests' last token is that old)
-            # and does not touch its quota.
-            a.chunks_since_decode = 0
+        a = self.active
+        self._clock(now)
+        if decode_running and self._decode_due(now, running_reqs):
+            # Decode steps do not wait for the prefills (SGLang decodes only in passes without
+            # one): one after every `decode_every_chunks` prefill passes, whoever they served.
+            # The active request's quota is untouched.
             if now is not None:
-                self.last_decode_s = now
-            a.decode_passes += 1
+                self.note_decode(now)
+            self.prefills_since_decode = 0
+            if a is not None:
+                a.decode_passes += 1
+                a.chunks_since_decode = 0
             self.total_yields_to_decode += 1
             return PassPlan("yield", yield_to="decode")
-        if blocked and a.turn_used >= a.quota and a.yields < p.max_yields:
-            # One-chunk requests too large to share the pass beside the long request's minimum
-            # share get a whole pass once it has used its quota; the quota then grows.
+        if a is None:
+            return PassPlan("admit")
+        earlier = sorted((w for w in waiting if self.key(w)[0] < a.key), key=self.key)
+        pass_budget = self._budget(budget)
+        # Riding along (short_extra_tokens): the active chunk keeps the whole pass budget and the
+        # earlier-key requests get tokens on top; else they take budget beyond its minimum share.
+        # Earlier-key requests first take the active chunk's budget down to its minimum share (a
+        # smaller chunk makes the pass, and so their first token, come sooner), then up to
+        # `short_extra_tokens` beyond the budget (riding along).
+        cut_room = max(pass_budget - p.min_long_tokens, 0)
+        extra = p.ceil_page(p.short_extra_tokens)
+        fitted, reserved = self._fitting(earlier, cut_room + extra)
+        # A yield pass gives them the whole pass (budget + extra), whole requests only.
+        helps = self._fitting(earlier, p.budget_tokens + p.ceil_page(p.short_extra_tokens))[0] > fitted
+        if helps and a.turn_used >= a.quota and a.yields < p.max_yields:
             a.yields += 1
             a.yield_passes += 1
             a.turn_used = 0
             a.quota = p.next_quota(a.quota)
             a.quotas.append(a.quota)
             self.total_yields += 1
-            return PassPlan("yield", yield_to="short")
+            return PassPlan("yield", yield_to="short", extra_tokens=p.ceil_page(p.short_extra_tokens))
         if reserved == 0:
             return PassPlan("run")
-        if p.short_extra_tokens:
-            return PassPlan("run", long_limit=pass_budget, reserved_tokens=reserved, extra_tokens=reserved)
-        limit = (pass_budget - reserved) // p.page_size * p.page_size
-        return PassPlan("run", long_limit=max(limit, p.page_size), reserved_tokens=reserved)
+        cut = min(reserved, cut_room)
+        limit = max((pass_budget - cut) // p.page_size * p.page_size, p.page_size)
+        return PassPlan("run", long_limit=limit, reserved_tokens=reserved, extra_tokens=max(reserved - (pass_budget - limit), 0))
 
     # -- progress --------------------------------------------------------------------------
-    def start_long(self, rid: str, work_tokens: int) -> LongState:
-        """A long request received its first chunk (it becomes the active one)."""
+    def start_long(self, rid: str, work_tokens: int, key: float | None = None) -> LongState:
+        """A request received its first chunk without finishing (it becomes the active one).
+        `key`: its order key (default: the one the last `order` call computed for it)."""
         if self.active is not None and self.active.rid != rid:
-            raise RuntimeError(f"long request {rid!r} started while {self.active.rid!r} is active")
+            raise RuntimeError(f"request {rid!r} started while {self.active.rid!r} is active")
         if self.active is None:
-            self.active = LongState(rid, work_tokens, self.params.base_quota_tokens)
+            # Unknown (never ordered): every waiting request counts as earlier, the safe side.
+            k = key if key is not None else self._keys.get(rid, math.inf)
+            self.active = LongState(rid, work_tokens, self.params.base_quota_tokens, key=k)
             self.active.quotas.append(self.active.quota)
-            started = next((w for w in self._waiting_longs if w.rid == rid), None)
-            still = {w.rid for w in self._waiting_longs if w.rid != rid}
-            self.overtaken = {r: n for r, n in self.overtaken.items() if r in still}
-            if started is not None:
-                for w in self._waiting_longs:
-                    if w.seq < started.seq:
-                        self.overtaken[w.rid] = self.overtaken.get(w.rid, 0) + 1
-                        self.total_overtakes += 1
         return self.active
 
     def record_run(self, rid: str, tokens: int) -> None:
-        """The active long request prefilled `tokens` new tokens this pass."""
+        """The active request prefilled `tokens` new tokens this pass."""
         a = self.active
         if a is None or a.rid != rid:
             raise RuntimeError(f"record_run for {rid!r}, active is {a.rid if a else None!r}")
@@ -440,7 +431,7 @@ class FairPolicy:
         a.chunks_since_decode += 1
 
     def finish_long(self, rid: str) -> LongState | None:
-        """The active long request's prefill is complete (or it left: abort, retraction)."""
+        """The active request's prefill is complete (or it left: abort, retraction)."""
         a = self.active
         if a is None or a.rid != rid:
             return None

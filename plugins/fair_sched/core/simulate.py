@@ -20,6 +20,8 @@ class SimRequest:
     rid: str
     work_tokens: int
     arrival_pass: int
+    arrival_clock: int = 0
+    """Prefill tokens processed before it arrived (the policy's clock)."""
     chunks: list[int] = field(default_factory=list)
     """Tokens prefilled for this request, one entry per pass that computed some."""
     started_pass: int | None = None
@@ -65,17 +67,18 @@ def simulate(
     prefilled: list[list[str]] = []
     clock: list[float] = []
     now = 0.0
+    processed = 0
     while k < max_passes:
         ran: list[str] = []
         prefilled.append(ran)
         if k < len(arrivals):
             for rid, work in arrivals[k]:
-                reqs[rid] = SimRequest(rid, work, k)
+                reqs[rid] = SimRequest(rid, work, k, processed)
                 seq[rid] = len(seq)
                 waiting.append(rid)
         elif not waiting and policy.active is None:
             break
-        items = [WaitingItem(r, reqs[r].work_tokens - reqs[r].computed_tokens, seq[r]) for r in waiting]
+        items = [WaitingItem(r, reqs[r].work_tokens - reqs[r].computed_tokens, seq[r], reqs[r].arrival_clock) for r in waiting]
         running = int(decode_running[k % len(decode_running)]) if decode_running else 0
         decode = running > 0
         plan = policy.plan(items, decode, now=now, running_reqs=running)
@@ -98,11 +101,13 @@ def simulate(
             policy.record_run(req.rid, take)
             budget -= take
             used += take
-            budget += plan.extra_tokens  # riding one-chunk requests get tokens beyond the budget
+            budget += plan.extra_tokens  # riding earlier-key requests get tokens beyond the budget
             if req.computed_tokens >= req.work_tokens:
                 req.done_pass = k
                 policy.finish_long(req.rid)
         parked = plan.action == "yield"
+        if parked:
+            budget += plan.extra_tokens  # a yield pass: the whole pass plus the riders' extra, whole requests only
         for i in policy.order(items):
             if budget < p.page_size:
                 break
@@ -130,6 +135,9 @@ def simulate(
                 req.done_pass = k
         if not used and decode:
             policy.note_decode(now)  # nothing to prefill: the pass decodes
+        elif used:
+            policy.note_prefill()
+        processed += used
         now += (cost(used, decode) if used else cost(0, decode)) if cost else 1.0
         clock.append(now)
         k += 1

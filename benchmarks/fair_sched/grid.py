@@ -1,0 +1,145 @@
+"""Benchmark helper (not library code): the simulated-clock grid of the fair_sched benchmark
+(traces x loads x seeds x policies, `sim_engine.py`), the issue's targets checked on seed means,
+ratios printed side by side with their per-seed spread, and a small JSON summary."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from typing import Any
+
+import sim_engine as se
+import traces as tr
+from kllm_plugins.plugins.fair_sched.config import FairSchedConfig
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+METRICS = ("mean", "p90", "p99", "short_p90", "long_mean", "tpot", "throughput")
+LOADS = (0.6, 0.85)
+
+
+def config_from(pairs: list[str]) -> FairSchedConfig:
+    from kllm_plugins.spec import parse_bool
+
+    kw: dict[str, Any] = {}
+    for kv in pairs:
+        k, v = kv.split("=", 1)
+        k = k.removeprefix("KLLM_FAIR_SCHED_").lower()
+        d = getattr(FairSchedConfig(), k)
+        kw[k] = parse_bool(v) if isinstance(d, bool) else type(d)(v)
+    return FairSchedConfig(**kw)
+
+
+def overtake_ratio(reqs: list[se.Req], age_weight: float) -> float:
+    """The bound's quantity: max over requests r of (clock at the arrival of a request that
+    arrived after r and started its prefill before r, minus r's arrival clock) / (age_weight x r's
+    work). FairPolicy guarantees <= 1 (no request that arrives after the engine processed
+    age_weight x work(r) more tokens starts before r); 0 when nobody overtook."""
+    worst = 0.0
+    by_start = sorted(reqs, key=lambda r: r.start_pass)
+    for r in reqs:
+        for s in by_start:
+            if s.start_pass >= r.start_pass:
+                break
+            if s.arrival > r.arrival and s.clock > r.clock:
+                worst = max(worst, (s.clock - r.clock) / max(age_weight * r.work, 1e-9))
+    return worst
+
+
+def checks(at: dict[str, list[dict[str, float]]], ours: str) -> dict[str, dict[str, Any]]:
+    def m(policy: str, metric: str) -> float:
+        return statistics.fmean(x[metric] for x in at[policy])
+
+    stock = [p for p in se.STOCK if p in at]
+    best_mean = min(m(p, "mean") for p in stock)
+    best_sp90 = min(m(p, "short_p90") for p in stock)
+    f = lambda k: m(ours, k) / m("fcfs", k)  # noqa: E731
+    out = {
+        "mean <= best stock": (m(ours, "mean") / best_mean, 1.0),
+        "short p90 <= best stock": (m(ours, "short_p90") / best_sp90, 1.0),
+        "p99 <= fcfs": (f("p99"), 1.0),
+        "long mean <= 1.25x fcfs": (f("long_mean"), 1.25),
+        "tpot <= 1.3x fcfs": (f("tpot"), 1.3),
+        "throughput >= 0.98x fcfs": (f("throughput"), 0.98),
+    }
+    return {k: {"value": round(v, 3), "target": t, "met": (v >= t) if "throughput" in k else (v <= t)}
+            for k, (v, t) in out.items()}
+
+
+def run_sim_grid(args: Any) -> dict[str, Any]:
+    scale = tr.SCALES[args.scale]
+    chunk = args.chunk or scale.chunk
+    cm = se.COSTS[args.scale]
+    cfg = config_from(args.fair_env)
+    long_tokens = 8 * scale.chunk  # reporting only: "long" = a prompt over 8 chunks of the trace's scale
+    policies = list(se.STOCK) + list(se.OURS)
+    t0 = time.time()
+    cells: list[dict[str, Any]] = []
+    lines: list[str] = []
+    for trace in tr.TRACES:
+        cal = tr.make(trace, scale, 60, 999)
+        cap = se.capacity(cal, chunk, cm)
+        for load in LOADS:
+            at: dict[str, list[dict[str, float]]] = {p: [] for p in policies}
+            bound: dict[str, float] = {}
+            for seed in range(args.seeds):
+                jobs = tr.make(trace, scale, args.requests, seed)
+                for p in policies:
+                    pol = se.make_policy(p, chunk, cfg)
+                    reqs = se.simulate(jobs, load * cap, pol, chunk, cm, seed)
+                    at[p].append(se.summary(reqs, long_tokens))
+                    if p in se.OURS:
+                        bound[p] = max(bound.get(p, 0.0), overtake_ratio(reqs, cfg.age_weight))
+            cell = {"trace": trace, "load": load, "capacity_req_s": round(cap, 4), "seeds": args.seeds,
+                    "mean": {p: {k: round(statistics.fmean(x[k] for x in at[p]), 5) for k in METRICS} for p in policies},
+                    "ratio_to_fcfs_per_seed": {p: {k: [round(x[k] / b[k], 3) for x, b in zip(at[p], at["fcfs"])]
+                                                   for k in METRICS} for p in policies if p != "fcfs"},
+                    "targets": {p: checks(at, p) for p in se.OURS},
+                    "overtake_ratio_max": {p: round(v, 3) for p, v in bound.items()}}
+            cells.append(cell)
+            lines += format_cell(cell, policies)
+    met = {p: sum(all(c["targets"][p][k]["met"] for k in c["targets"][p]) for c in cells) for p in se.OURS}
+    lines.append(f"cells meeting every target: " + ", ".join(f"{p} {n}/{len(cells)}" for p, n in met.items()))
+    print("\n".join(lines), flush=True)
+    out = args.out or os.path.join(ROOT, "benchmarks", "results", f"fair_sched_sim_{args.scale}_{chunk}.json")
+    doc = {"kind": f"simulation ({args.scale} scale{'; production costs assumed, not measured' if args.scale == 'production' else ''})",
+           "command": "python benchmarks/fair_sched/sim_engine.py " + " ".join(
+               f"--{k.replace('_', '-')} {v if not isinstance(v, list) else ' '.join(v)}" for k, v in vars(args).items() if v not in ("", [], 0)),
+           "commit": _commit(), "machine": platform.node() + " (shared, 2 cores; the simulation is deterministic)",
+           "chunk": chunk, "requests_per_run": args.requests, "long_prompt_over_tokens": long_tokens,
+           "fair_config": {k: v for k, v in vars(cfg).items()}, "wall_s": round(time.time() - t0, 1),
+           "cells_meeting_every_target": met, "cells": cells}
+    with open(out, "w", encoding="utf-8") as fh:
+        json.dump(doc, fh, indent=1)
+    print(f"wrote {os.path.relpath(out, ROOT)}")
+    return doc
+
+
+def format_cell(cell: dict[str, Any], policies: list[str]) -> list[str]:
+    lines = [f"{cell['trace']} @ {cell['load']} (capacity {cell['capacity_req_s']:.3f} req/s): seed mean [ratio to fcfs, per-seed min-max]"]
+    lines.append(f"  {'metric':11s}" + "".join(f"{p:>32s}" for p in policies))
+    for k in METRICS:
+        row = f"  {k:11s}"
+        base = cell["mean"]["fcfs"][k]
+        for p in policies:
+            v = cell["mean"][p][k]
+            if p == "fcfs":
+                row += f"{v:>32.4g}"
+            else:
+                s = cell["ratio_to_fcfs_per_seed"][p][k]
+                row += f"{f'{v:.4g} [{v / base:.2f}x {min(s):.2f}-{max(s):.2f}]':>32s}"
+        lines.append(row)
+    for p, ch in cell["targets"].items():
+        lines.append(f"  {p}: " + "; ".join(f"{k} {c['value']:.2f} {'ok' if c['met'] else 'MISS'}" for k, c in ch.items())
+                     + f"; overtake ratio {cell['overtake_ratio_max'].get(p, 0):.2f}")
+    return lines
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return ""
