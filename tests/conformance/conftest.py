@@ -32,6 +32,9 @@ class ServerPool:
         self.order: list[str] = []
 
     def _server(self, name: str) -> Running:
+        if name in self.servers and (self.servers[name].server.proc is None
+                                     or self.servers[name].server.proc.poll() is not None):
+            self._stop(name)  # died (a test that found a crash said so): the next test gets a fresh one
         if name in self.servers:
             self.order.remove(name)
             self.order.append(name)
