@@ -8,7 +8,7 @@ import statistics
 import time
 from typing import Any
 
-POLICIES = ("fcfs", "lpm", "shortest-prefill-first", "fair_sched")
+POLICIES = ("fcfs", "lpm", "shortest-prefill-first", "hrrn", "fair_sched")
 
 METRICS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("TTFT mean", ("ttft_s", "mean")), ("TTFT p50", ("ttft_s", "p50")), ("TTFT p90", ("ttft_s", "p90")),
