@@ -75,7 +75,15 @@ def main() -> None:
                     help="which request kinds to measure (a rerun of some rows keeps the others in the results file)")
     ap.add_argument("--no-max-rate", action="store_true", help="skip the closed-loop maximum-rate runs")
     ap.add_argument("--no-record", action="store_true", help="do not write results or RESULTS.md (smoke runs)")
+    ap.add_argument("--bench-serving", metavar="MODEL_PATH",
+                    help="instead: sglang.bench_serving against a real server on this model, direct vs kllm-router")
+    ap.add_argument("--bs-prompts", type=int, default=40)
+    ap.add_argument("--bs-input-len", type=int, default=128)
+    ap.add_argument("--bs-output-len", type=int, default=64)
     args = ap.parse_args()
+    if args.bench_serving:
+        return bench_serving_overhead(args.bench_serving, args.rounds, args.bs_prompts, args.bs_input_len,
+                                      args.bs_output_len, not args.no_record)
     load_before = os.getloadavg()
     tmp = tempfile.mkdtemp(prefix="kllm-bench-")
     procs = []
@@ -188,6 +196,64 @@ def main() -> None:
         fh.write(f"| bigpd_router | router overhead {datetime.date.today()}, lean data path: 2 fake backends "
                  f"answering at once, open loop, {args.rounds} interleaved rounds x {args.duration_s:.0f} s, "
                  f"medians; added P50/P99 over direct; load average before/after {load_before[0]:.2f}/{load_after[0]:.2f} | {summary}; max closed-loop req/s: {maxes} | `{command}` |\n")
+
+
+def bench_serving_overhead(model_path: str, rounds: int, num_prompts: int, input_len: int, output_len: int,
+                           record: bool) -> None:
+    """`sglang.bench_serving` against one real SGLang server, directly and through kllm-router,
+    interleaved (direct, router; then router, direct; ...). Added median TTFT, and added cost per
+    output token from the median E2E: (E2E_router - E2E_direct - (TTFT_router - TTFT_direct)) / (out - 1)."""
+    from kllm_plugins.testing.sglang_server import SGLangServer
+
+    tmp = tempfile.mkdtemp(prefix="kllm-bs-")
+    server = SGLangServer(model_path, max_total_tokens=8192, startup_timeout_s=480.0)
+    server.start()
+    rport = free_port()
+    router = spawn([*router_cmd("kllm", rport, [server.base_url])], f"{tmp}/router.log")
+    rows: list[dict[str, Any]] = []
+    try:
+        wait_http(f"http://127.0.0.1:{rport}/health", 60)
+        targets = [("direct", server.base_url), ("kllm", f"http://127.0.0.1:{rport}")]
+        cpu0 = cpu_seconds(router.pid)
+        for rnd in range(rounds):
+            for name, url in (targets if rnd % 2 == 0 else targets[::-1]):
+                out = f"{tmp}/{name}-{rnd}.jsonl"
+                cmd = [py(), "-m", "sglang.bench_serving", "--backend", "sglang", "--base-url", url,
+                       "--dataset-name", "random-ids", "--num-prompts", str(num_prompts),
+                       "--random-input-len", str(input_len), "--random-output-len", str(output_len),
+                       "--random-range-ratio", "1.0", "--tokenizer", model_path, "--max-concurrency", "4",
+                       "--seed", str(rnd), "--disable-tqdm", "--output-file", out]
+                import subprocess
+
+                subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, timeout=600)
+                with open(out, encoding="utf-8") as fh:
+                    res = json.loads(fh.read().strip().splitlines()[-1])
+                rows.append({"round": rnd, "target": name, "median_ttft_ms": res["median_ttft_ms"],
+                             "median_e2e_ms": res["median_e2e_latency_ms"], "median_itl_ms": res["median_itl_ms"],
+                             "completed": res["completed"]})
+                print(json.dumps(rows[-1]), flush=True)
+        router_cpu_s = cpu_seconds(router.pid) - cpu0
+    finally:
+        stop(router)
+        server.stop()
+    by = {(r["round"], r["target"]): r for r in rows}
+    ttft = [by[(k, "kllm")]["median_ttft_ms"] - by[(k, "direct")]["median_ttft_ms"] for k in range(rounds)]
+    e2e = [by[(k, "kllm")]["median_e2e_ms"] - by[(k, "direct")]["median_e2e_ms"] for k in range(rounds)]
+    per_tok = [(e - t) / max(1, output_len - 1) for e, t in zip(e2e, ttft)]
+    tokens = rounds * num_prompts * output_len
+    summary = {"added_ttft_ms": {"median": med(ttft), "rounds": [round(x, 3) for x in ttft]},
+               "added_per_token_ms": {"median": med(per_tok), "rounds": [round(x, 4) for x in per_tok]},
+               "router_cpu_ms_per_token": round(router_cpu_s * 1000 / tokens, 4),
+               "num_prompts": num_prompts, "input_len": input_len, "output_len": output_len, "rounds": rounds,
+               "machine": f"{os.cpu_count()} cores shared with other work (load average {os.getloadavg()[0]:.1f})",
+               "measured": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
+               "per_round": rows}
+    print(f"bench_serving through kllm-router vs direct ({rounds} interleaved rounds): added median TTFT "
+          f"{summary['added_ttft_ms']['median']} ms {summary['added_ttft_ms']['rounds']}, added per output token "
+          f"{summary['added_per_token_ms']['median']} ms {summary['added_per_token_ms']['rounds']}, router CPU "
+          f"{summary['router_cpu_ms_per_token']} ms per token")
+    if record:
+        merge_results("bench_serving_overhead", [summary], " ".join(["python", *sys.argv]))
 
 
 if __name__ == "__main__":
