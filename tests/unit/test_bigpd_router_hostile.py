@@ -207,8 +207,7 @@ def test_clients_resetting_streams_are_counted_as_disconnects_without_errors(
         _reset_storm(loop_factory)
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR and r.name.startswith(("kllm", "asyncio"))]
     assert not errors, [r.getMessage() for r in errors]
-    assert sum("status=499" in r.getMessage() or "status=%d" in r.msg and 499 in (r.args or ())  # type: ignore[operator]
-               for r in caplog.records) >= 20
+    assert sum("status=499" in r.getMessage() for r in caplog.records) >= 20  # one log line per reset request
 
 
 # ---------------------------------------------------------------- slow clients
