@@ -46,7 +46,7 @@ CHUNK = 64
 @pytest.fixture(scope="module")
 def server(tiny_model_path: Path) -> Iterator[SGLangServer]:
     plugins = [*ACTIVE, *INERT]
-    with SGLangServer(tiny_model_path, plugins=plugins, strict=False,
+    with SGLangServer(tiny_model_path, plugins=plugins, strict=False, startup_timeout_s=420,
                       extra_args=["--chunked-prefill-size", str(CHUNK), "--dtype", "float32"]) as srv:
         yield srv
 
@@ -124,7 +124,8 @@ def test_default_hicache_flags_serve_on_the_cpu(tiny_model_path: Path) -> None:
     # the default --hicache-io-backend kernel --hicache-mem-layout page_first: the first L2 write
     # used to raise NameError (transfer_kv_all_layer_lf_pf) in the scheduler
     args = ["--enable-hierarchical-cache", "--hicache-ratio", "2", "--page-size", "16", "--dtype", "float32"]
-    with SGLangServer(tiny_model_path, plugins=["trace"], extra_args=args, max_total_tokens=1024) as srv:
+    with SGLangServer(tiny_model_path, plugins=["trace"], extra_args=args, max_total_tokens=1024,
+                      startup_timeout_s=420) as srv:
         prompt = list(range(100, 420))
         first = srv.generate(input_ids=prompt, max_new_tokens=6, ignore_eos=True)["output_ids"]
         flush(srv.base_url)
