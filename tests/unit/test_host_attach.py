@@ -71,9 +71,11 @@ def test_registry_patch_uses_its_checker(fake_module: types.ModuleType) -> None:
         PatchSpec("kllm_fake_target.Engine", "kllm_fake_target:do_register", "registry", "test"),
         PatchSpec("kllm_fake_target.Engine", "kllm_fake_target:bad_register", "registry", "test2"),
     ])
-    # the second has the same (plugin, target) key: idempotent registration skips it
+    # two patches of one plugin on one target (a BEFORE and an AFTER, say) are both attached and
+    # checked; only the very same patch registered again is skipped (idempotent registration)
+    attacher.add("p", [PatchSpec("kllm_fake_target.Engine", "kllm_fake_target:do_register", "registry", "test")])
     report = attacher.apply_and_verify()
-    assert [r.ok for r in report.results] == [True]
+    assert [r.ok for r in report.results] == [True, False]
     attacher2 = Attacher(WrappingRegistry())
     attacher2.add("q", [PatchSpec("kllm_fake_target.Engine", "kllm_fake_target:bad_register", "registry", "t")])
     assert attacher2.apply_and_verify().results[0].reason == "registry does not hold it"
