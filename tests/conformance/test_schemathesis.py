@@ -24,10 +24,11 @@ pytestmark = [pytest.mark.sglang, pytest.mark.e2e, pytest.mark.slow]
 
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis.errors import Unsatisfiable  # noqa: E402
 from schemathesis import GenerationMode  # noqa: E402
 
 TIMEOUT_S = 90
-EXAMPLES = 12  # per operation and mode
+EXAMPLES = 5  # per operation and mode (generating malformed cases of the big OpenAI schemas is slow)
 FUZZED = {
     ("GET", "/health"), ("GET", "/ping"), ("GET", "/get_model_info"), ("GET", "/model_info"),
     ("GET", "/get_server_info"), ("GET", "/server_info"), ("GET", "/v1/models"), ("GET", "/v1/models/{model}"),
@@ -88,7 +89,10 @@ def _run(op: Any, mode: Any, check: Any) -> list[str]:
             body = case.body if not isinstance(case.body, dict) else clamp(case.body)
             problems.append(f"{op.method.upper()} {case.formatted_path} {json.dumps(body, default=str)[:200]}: {problem}")
 
-    one()
+    try:
+        one()
+    except Unsatisfiable:  # nothing malformed to generate (e.g. a plain string path parameter)
+        assert mode == GenerationMode.NEGATIVE, op.path
     return problems
 
 
