@@ -88,7 +88,9 @@ class Proxy:
         self._rid_prefix = os.urandom(6).hex() + "-"
         self._rid_seq = itertools.count(1)
         self._counted: dict[tuple[str, int], Any] = {}
-        self.watchdog = Watchdog(down_grace_s=router.cfg.liveness_timeout_s,
+        # a started stream on an instance marked down ends only once it is silent too, and not at the
+        # first second of silence: a loaded event loop (or a false "down") must not cut live streams
+        self.watchdog = Watchdog(down_grace_s=max(5.0, 2 * router.cfg.liveness_timeout_s),
                                  on_fire=lambda reason: router.metrics.watchdog.labels(reason).inc())
         self.poison = PoisonLedger(router.cfg.poison_quarantine_s)
 
