@@ -96,6 +96,24 @@ def cmd_patches(_: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_docs(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kllm_plugins.plugin_docs import stale_pages, write_pages
+
+    manager = KllmPluginManager()
+    specs = {name: manager.specs[name] for name in manager.names()}
+    docs_dir = Path(args.docs_dir)
+    if args.check:
+        stale = stale_pages(docs_dir, specs)
+        for name in stale:
+            print(f"stale: {docs_dir / name}.md")
+        return 1 if stale else 0
+    for name in write_pages(docs_dir, specs):
+        print(f"updated: {docs_dir / name}.md")
+    return 0
+
+
 def cmd_build_model(args: argparse.Namespace) -> int:
     if args.model == "tiny":
         from kllm_plugins.models.tiny_llama import tiny_llama_path as build
@@ -117,6 +135,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser("list", help="list available plugins and their options").set_defaults(fn=cmd_list)
     sub.add_parser("doctor", help="check SGLang and every plugin target").set_defaults(fn=cmd_doctor)
     sub.add_parser("patches", help="print the ledger of SGLang targets patched (markdown)").set_defaults(fn=cmd_patches)
+    dc = sub.add_parser("docs", help="rewrite the generated sections (options, ledger) of docs/<plugin>.md")
+    dc.add_argument("--docs-dir", default="docs")
+    dc.add_argument("--check", action="store_true", help="only report stale pages (exit 1 if any)")
+    dc.set_defaults(fn=cmd_docs)
     b = sub.add_parser("build-model", help="build (once) and print the path of an offline model")
     b.add_argument("model", choices=["tiny", "smollm2"])
     b.set_defaults(fn=cmd_build_model)
