@@ -31,7 +31,9 @@ def options_markdown(spec: PluginSpec) -> str:
         return f"`{spec.name}` has no options."
     rows = ["| flag | environment | type | default | help |", "|---|---|---|---|---|"]
     for o in spec.options:
-        help_text = o.help + (f" One of: {', '.join(map(str, o.choices))}." if o.choices else "")
+        help_text = o.help.rstrip()
+        if o.choices:
+            help_text += ("" if help_text.endswith(".") else ".") + f" One of: {', '.join(map(str, o.choices))}."
         rows.append(
             f"| `{cli_flag(spec.name, o.name)}` | `{env_name(spec.name, o.name)}` | {_type_name(o.type)} "
             f"| `{o.default!r}` | {_cell(help_text)} |"
