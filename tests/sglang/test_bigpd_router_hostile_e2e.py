@@ -56,7 +56,7 @@ async def healthy(s: aiohttp.ClientSession, url: str) -> bool:
 
 
 def test_poison_request_is_refused_by_router_and_guard_and_kills_only_an_unguarded_server(
-        stock_and_guarded: tuple[SGLangServer, SGLangServer], tiny_model_path: Path) -> None:
+        stock_and_guarded: tuple[SGLangServer, SGLangServer], tiny_model_path: Path, tmp_path: Path) -> None:
     stock, guarded = stock_and_guarded
 
     async def go() -> None:
@@ -78,7 +78,7 @@ def test_poison_request_is_refused_by_router_and_guard_and_kills_only_an_unguard
                 sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang", "--base-url", rurl,
                 "--dataset-name", "random-ids", "--num-prompts", "4", "--random-input-len", "16",
                 "--random-output-len", "4", "--random-range-ratio", "1.0", "--tokenizer", str(tiny_model_path),
-                "--flush-cache", "--disable-tqdm", "--seed", "1",
+                "--flush-cache", "--disable-tqdm", "--seed", "1", "--output-file", str(tmp_path / "bench.jsonl"),
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
             out, _ = await asyncio.wait_for(proc.communicate(), 300)
             text = out.decode(errors="replace")
