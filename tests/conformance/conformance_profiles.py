@@ -49,13 +49,14 @@ class Profile:
 PROFILES: dict[str, Profile] = {p.name: p for p in [
     Profile("stock"),
     Profile("trace", plugins=("trace",)),
+    Profile("input_guard", plugins=("input_guard",)),
     # Python TreeCore: the one with the tail-only walk
     Profile("incr_prefix", plugins=("incr_prefix",), args=tuple(INCR_PREFIX_ARGS),
             env=(("KLLM_INCR_PREFIX_FORCE_PYTHON_TREECORE", "1"),)),
     Profile("fair_sched", plugins=("fair_sched",), args=tuple(FAIR_SCHED_ARGS)),
     Profile("kv_tiers", plugins=("kv_tiers",), page_size=PAGE, store_dir=True),
     # incr_prefix on SGLang's Rust TreeCore here (the Python walk refuses HiCache)
-    Profile("all", plugins=("trace", "incr_prefix", "fair_sched", "kv_tiers"),
+    Profile("all", plugins=("trace", "incr_prefix", "fair_sched", "kv_tiers", "input_guard"),
             args=tuple(INCR_PREFIX_ARGS + FAIR_SCHED_ARGS), page_size=PAGE, store_dir=True),
     Profile("router", router=True),
 ]}

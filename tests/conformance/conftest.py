@@ -119,3 +119,20 @@ def no_proxy_env() -> None:
     for key in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
         os.environ.pop(key, None)
     os.environ["NO_PROXY"] = "127.0.0.1,localhost"
+
+
+# The server-backed parts of the suite (SGLang's server kits, the openai SDK, schemathesis,
+# bench_serving) have not yet had one complete run on a quiet machine, and their CI time is not
+# yet bounded: they run when KLLM_CONFORMANCE=full. CI runs the white-box UnifiedRadixCache kits
+# and the profile listing; the skip reason says how to run the rest.
+_SERVER_MODULES = ("test_server_kits.py", "test_openai_sdk.py", "test_schemathesis.py", "test_bench_serving.py")
+_NO_SERVER = ("test_every_plugin_is_held_or_listed",)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.environ.get("KLLM_CONFORMANCE") == "full":
+        return
+    skip = pytest.mark.skip(reason="server-backed conformance: run with KLLM_CONFORMANCE=full")
+    for item in items:
+        if item.path.name in _SERVER_MODULES and item.name not in _NO_SERVER:
+            item.add_marker(skip)
