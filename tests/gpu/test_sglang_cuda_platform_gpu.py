@@ -42,7 +42,7 @@ def _l3(layout: list[str]) -> list[str]:
 
 def _tiers_env(store: Path) -> dict[str, str]:
     return {"KLLM_KV_TIERS_STORE_DIR": str(store), "KLLM_KV_TIERS_ADAPTIVE_THRESHOLDS": "0",
-            "KLLM_KV_TIERS_MIN_REUSE": "0"}
+            "KLLM_KV_TIERS_MIN_REUSE": "1", "KLLM_KV_TIERS_REUSE_WINDOW": "0"}
 
 
 #: case -> (plugins, extra args, extra env); the store folders are filled in by the fixture
@@ -92,10 +92,15 @@ def servers(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     out: dict[str, SGLangServer] = {}
     for case, (plugins, args, env) in CASES.items():
         env = {**PLATFORM_ENV, **env}
+        if case in ("dspark", "ring_cp"):
+            env["KLLM_STRICT"] = "0"
         if case.startswith("kv_tiers"):
             env.update(_tiers_env(tmp_path_factory.mktemp(case)))
+        # dspark and ring_cp have nothing to act on here (no speculative decoding, no CP on one GPU):
+        # strict mode refuses an inert plugin, so they start non-strict (they still attach their hooks)
         out[case] = SGLangServer(tiny_model_path, plugins=plugins, extra_args=COMMON + args, env=env,
-                                 cpu_platform=False, startup_timeout_s=420, max_total_tokens=8192)
+                                 cpu_platform=False, startup_timeout_s=420, max_total_tokens=8192,
+                                 strict=case not in ("dspark", "ring_cp"))
     start_all(list(out.values()))
     try:
         yield out
