@@ -51,16 +51,21 @@ def _cases(world: int) -> list[dict[str, Any]]:
     return cases
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_ring_and_allgather_match_full_attention(world: int, tmp_path: Path) -> None:
+def _run_world(world: int, cases: list[dict[str, Any]], tmp_path: Path) -> None:
+    """Run `cases` on `world` gloo processes; a worker's failure surfaces with its own traceback."""
     init_file = str(tmp_path / "pg_init")
-    ctx = mp.spawn(run_cases, args=(world, init_file, _cases(world), str(tmp_path)), nprocs=world, join=False)
+    ctx = mp.spawn(run_cases, args=(world, init_file, cases, str(tmp_path)), nprocs=world, join=False)
     try:
         while not ctx.join(timeout=120):
             pass
-    except Exception as exc:  # surface the worker's own traceback
+    except Exception as exc:
         errs = "".join(p.read_text() for p in sorted(tmp_path.glob("rank*.err")))
         raise AssertionError(f"ring_cp worker failed:\n{errs or exc}") from exc
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_ring_and_allgather_match_full_attention(world: int, tmp_path: Path) -> None:
+    _run_world(world, _cases(world), tmp_path)
 
 
 def _wide_cases() -> list[dict[str, Any]]:
@@ -78,11 +83,4 @@ def _wide_cases() -> list[dict[str, Any]]:
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [5, 8])
 def test_ring_matches_full_attention_at_5_and_8_ranks(world: int, tmp_path: Path) -> None:
-    init_file = str(tmp_path / "pg_init")
-    ctx = mp.spawn(run_cases, args=(world, init_file, _wide_cases(), str(tmp_path)), nprocs=world, join=False)
-    try:
-        while not ctx.join(timeout=300):
-            pass
-    except Exception as exc:  # surface the worker's own traceback
-        errs = "".join(p.read_text() for p in sorted(tmp_path.glob("rank*.err")))
-        raise AssertionError(f"ring_cp worker failed:\n{errs or exc}") from exc
+    _run_world(world, _wide_cases(), tmp_path)
