@@ -30,6 +30,7 @@ its sharing (two scaled blocks are equal when their source blocks are).
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import os
@@ -38,7 +39,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-MOONCAKE = os.path.join(os.path.dirname(HERE), "data", "mooncake-fast25", "conversation_trace_first1500.jsonl")
+MOONCAKE = os.path.join(os.path.dirname(HERE), "data", "mooncake-fast25", "conversation_trace_first1500.jsonl.gz")
 TRACES = ("issue", "multichunk", "lognormal", "bursty", "mooncake")
 
 
@@ -104,7 +105,7 @@ def _unique_blocks(n_tokens: int, block: int, next_id: Iterator[int]) -> tuple[i
 
 
 def _mooncake(sc: Scale, rng: random.Random, n: int) -> list[TraceRequest]:
-    with open(MOONCAKE, encoding="utf-8") as fh:
+    with gzip.open(MOONCAKE, "rt", encoding="utf-8") as fh:
         rows = [json.loads(line) for line in fh if line.strip()]
     if n > len(rows):
         raise ValueError(f"the Mooncake subset has {len(rows)} requests, asked for {n}")
