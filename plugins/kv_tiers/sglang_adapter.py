@@ -584,14 +584,7 @@ def _prefetch_operation(value: Any) -> Any:
     """The PrefetchOperation of an `ongoing_prefetch` entry: SGLang 0.5.23 keeps a NamedTuple whose
     `operation` is its fourth field, not its last (reading the last one, a dict of component
     transfers, counted every prefetch as 0 tokens in flight)."""
-    op = getattr(value, "operation", None)
-    if op is not None:
-        return op
-    if isinstance(value, tuple):
-        for item in value:
-            if hasattr(item, "hash_value"):
-                return item
-    return value
+    return getattr(value, "operation", value)
 
 
 def _inflight(cache: Any) -> tuple[int, int]:

@@ -69,7 +69,7 @@ def check_dense_inputs(
     """Check a dense ring/all-gather call. `tokens` is the K/V length expected (default: rank's shard)."""
     qt = check_query(q, plan, rank)
     h, dk = qt.shape[1], qt.shape[2]
-    want_t = plan.local_len(rank) if tokens is None else tokens
+    want_t = qt.shape[0] if tokens is None else tokens  # check_query matched it to the plan
     where = f"rank {rank}'s shard" if tokens is None else "the full batch"
     if layout == "kv":
         if len(payload) != 2:
@@ -117,7 +117,7 @@ def check_sparse_inputs(
 ) -> None:
     """Check a sparse top-k call: latent K/V, indices (T_local, m) of global token ids or -1."""
     qt = check_query(q, plan, rank)
-    want_t = plan.local_len(rank) if tokens is None else tokens
+    want_t = qt.shape[0] if tokens is None else tokens  # check_query matched it to the plan
     where = f"rank {rank}'s shard" if tokens is None else "the full batch"
     check_latent(latent, qt, want_t, where, v_dim)
     if not isinstance(topk_idx, torch.Tensor):
