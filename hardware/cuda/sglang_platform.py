@@ -10,7 +10,9 @@ torch ops, or through kv_tiers' staged copier when that plugin is on. CUDA graph
 `--disable-cuda-graph` otherwise (no piecewise prefill graphs either way).
 
 SGLang's `is_cuda()` is False on this platform (the process-start guard, kllm_cuda_guard.py);
-the class checks the guard ran and logs what it chose (graphs, TreeCore), once per process.
+the class logs what it chose (GPU, graphs, TreeCore), once per process, through the host's `kllm`
+log handler: SGLang resolves its platform while importing its modules, before it configures logging
+and before the host's plugin entry point runs, so without that handler the INFO line would be lost.
 """
 from __future__ import annotations
 
@@ -46,6 +48,10 @@ class KllmCudaPlatform(CudaDeviceMixin, SRTPlatform):
     def __init__(self) -> None:
         super().__init__()
         import kllm_cuda_guard
+
+        from kllm_plugins.sglang_bridge import _setup_logging
+
+        _setup_logging()  # idempotent: the host's stderr handler on the `kllm` logger
 
         backend, reason = kllm_cuda_guard.state["tree_core"] or ("?", "not decided")
         logger.info(

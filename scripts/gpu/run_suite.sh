@@ -6,7 +6,10 @@
 #   e2e    tests/gpu/test_sglang_cuda_platform_gpu.py (one server per plugin, all on the GPU at once)
 #   gpu    the other GPU tests of tests/gpu (kernels and copiers of our own, outside SGLang)
 #   speed  benchmarks/gpu/serving_speed.py (SGLang on kllm_cuda vs transformers, same GPU)
-# Usage: KLLM_COMMIT=<sha> bash scripts/gpu/run_suite.sh smoke e2e
+# Each pytest suite also writes one JSON line per finished test as it goes (pytest_progress.py), and
+# stops after $KLLM_SUITE_TIMEOUT_S seconds (default 3000) so its summary is still written: set it
+# below the device call's limit.
+# Usage: KLLM_COMMIT=<sha> KLLM_SUITE_TIMEOUT_S=300 bash scripts/gpu/run_suite.sh smoke e2e
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/kllm/out}
@@ -14,7 +17,12 @@ mkdir -p "$OUT" /tmp/kllm
 bash scripts/gpu/device_setup.sh 2>&1 | tee "$OUT/setup.log" || exit 1
 export KLLM_CACHE_DIR=/tmp/kllm/cache PYTHONUNBUFFERED=1 SGLANG_PLATFORM=kllm_cuda
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH="$(pwd)/scripts/gpu${PYTHONPATH:+:$PYTHONPATH}"
 PY=python3
+# pytest with a deadline (SIGTERM, then SIGKILL 15 s later) and per-test progress lines
+pytest_limited() {
+  timeout --kill-after=15 "${KLLM_SUITE_TIMEOUT_S:-3000}" $PY -m pytest -p pytest_progress "$@"
+}
 rc=0
 for suite in "$@"; do
   start=$(date +%s)
@@ -22,12 +30,12 @@ for suite in "$@"; do
     smoke)
       $PY scripts/gpu/smoke.py --out "$OUT/smoke.json" > "$OUT/smoke.log" 2>&1; r=$? ;;
     e2e)
-      $PY -m pytest tests/gpu/test_sglang_cuda_platform_gpu.py -q -rA -p no:cacheprovider --timeout 900 \
-        --junitxml "$OUT/e2e-junit.xml" > "$OUT/e2e.log" 2>&1; r=$?
+      KLLM_PROGRESS_JSONL="$OUT/e2e-junit.xml.jsonl" pytest_limited tests/gpu/test_sglang_cuda_platform_gpu.py -v -rA \
+        -p no:cacheprovider --timeout 900 --junitxml "$OUT/e2e-junit.xml" > "$OUT/e2e.log" 2>&1; r=$?
       $PY scripts/gpu/summarize_junit.py "$OUT/e2e-junit.xml" e2e "$OUT/e2e.json" ;;
     gpu)
-      $PY -m pytest tests/gpu -q -rA -p no:cacheprovider --timeout 600 --deselect tests/gpu/test_sglang_cuda_platform_gpu.py \
-        --junitxml "$OUT/gpu-junit.xml" > "$OUT/gpu.log" 2>&1; r=$?
+      KLLM_PROGRESS_JSONL="$OUT/gpu-junit.xml.jsonl" pytest_limited tests/gpu -v -rA -p no:cacheprovider --timeout 600 \
+        --deselect tests/gpu/test_sglang_cuda_platform_gpu.py --junitxml "$OUT/gpu-junit.xml" > "$OUT/gpu.log" 2>&1; r=$?
       $PY scripts/gpu/summarize_junit.py "$OUT/gpu-junit.xml" gpu "$OUT/gpu.json" ;;
     speed)
       $PY benchmarks/gpu/serving_speed.py --out "$OUT/speed.json" ${SPEED_ARGS:-} > "$OUT/speed.log" 2>&1; r=$? ;;
