@@ -53,7 +53,7 @@ class KllmCudaPlatform(CudaDeviceMixin, SRTPlatform):
 
         _setup_logging()  # idempotent: the host's stderr handler on the `kllm` logger
 
-        backend, reason = kllm_cuda_guard.state["tree_core"] or ("?", "not decided")
+        backend, reason = kllm_cuda_guard.tree_core()
         logger.info(
             "kllm_cuda platform (pid %d): %s, torch %s, CUDA graphs %s, TreeCore %s (%s)",
             os.getpid(), torch.cuda.get_device_name(0), torch.__version__,

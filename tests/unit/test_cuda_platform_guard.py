@@ -126,3 +126,26 @@ def test_sglang_platform_loader_stops_a_gpu_less_machine_with_one_line(site_dir:
     assert proc.returncode == 1, (proc.stdout[-1000:], proc.stderr[-2000:])
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1].startswith("kllm_cuda platform: no CUDA GPU visible to torch")
+
+
+TREE_CORE = r"""
+import os
+import torch
+torch.__version__ = "2.11.0+cu130"  # the GPU image's torch, not the 2.14.1 SGLang pins (simulated)
+torch.cuda.get_device_name = lambda index=0: "NVIDIA Simulated"
+from kllm_plugins.hardware.cuda import platform_entry
+platform_entry._cuda_visible = lambda: True
+import sglang.srt.utils.common  # resolves SGLang's platform while it runs (its module-level import)
+print("ENV " + os.environ.get("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND", "unset"))
+"""
+
+
+def test_platform_line_names_the_tree_core_chosen_for_the_machines_torch(site_dir: Path) -> None:
+    """SGLang builds the platform inside `sglang.srt.utils.common`'s own import, before the guard's
+    after-import step: the TreeCore must already be decided when the platform logs it."""
+    proc = run_python(site_dir, TREE_CORE, {"SGLANG_PLATFORM": "kllm_cuda"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ENV python" in proc.stdout
+    lines = [ln for ln in proc.stderr.splitlines() if "kllm_cuda platform (pid" in ln]
+    assert len(lines) == 1 and "NVIDIA Simulated" in lines[0], proc.stderr[-3000:]
+    assert "TreeCore python (torch 2.11.0+cu130 is not the 2.14.1" in lines[0], lines[0]

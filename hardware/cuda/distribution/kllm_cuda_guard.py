@@ -112,9 +112,17 @@ def _decide_tree_core() -> None:
     state["tree_core"] = (os.environ.get(TREE_CORE_ENV, "rust"), reason)
 
 
+def tree_core() -> tuple[str, str]:
+    """(backend, reason), decided on first use: SGLang builds its platform (which logs this) while
+    `sglang.srt.utils.common` is still running, before `_after_common`."""
+    if state["tree_core"] is None:
+        _decide_tree_core()
+    return state["tree_core"]
+
+
 def _after_common(module: Any) -> None:
     module.is_cuda = guarded_is_cuda
-    _decide_tree_core()
+    tree_core()
 
 
 def _after_loader(module: Any) -> None:
