@@ -17,7 +17,7 @@ the pool). Setups:
 
 The functions called are HiCache's own (`HiCacheController._generic_page_get` and the others, run
 unbound on an object that holds what they read), the host pool is SGLang's `MHATokenToKVPoolHost`
-page methods over a random buffer (`kllm_plugins.testing.kv_tiers.mha_host_pool`). Each round writes
+page methods over a random buffer (`kllm_plugins.plugins.kv_tiers.testing.mha_host_pool`). Each round writes
 `--pages` fresh pages per setup in batches of `--batch` (HiCache's storage batch), then reads them
 back into other pool pages and checks the bytes; setups run in rotating order within a round.
 Prints median microseconds per page, read and write, and the ratios against stock; `--record`
@@ -65,15 +65,15 @@ def _config(extra: dict[str, Any] | None) -> Any:
 def _backend(setup: str, pool: Any, folder: str) -> Any:
     from sglang.srt.mem_cache.hicache_storage import HiCacheFile
 
-    from kllm_plugins.plugins.kv_tiers import sglang_adapter
+    from kllm_plugins.plugins.kv_tiers.sglang_adapter import file_storage, state
 
     if setup == "stock":
         b = HiCacheFile(_config({}), file_path=folder)
     else:
-        sglang_adapter._tiers = None
+        state._tiers = None
         extra = {"store_dir": folder, "interface_v1": 1 if setup == "kv_tiers" else 0,
                  "write_all_below_pressure": True, "min_reuse": 1}
-        b = sglang_adapter.KllmFileStorage(_config(extra), {})
+        b = file_storage.KllmFileStorage(_config(extra), {})
         b.t.persistence.dormant = lambda: False  # as in a workload with reuse: every page written
     b.register_mem_pool_host(pool)
     return b
@@ -133,7 +133,7 @@ def main() -> None:
     args = ap.parse_args()
     command = "python " + " ".join([str(Path(sys.argv[0]).relative_to(ROOT) if Path(sys.argv[0]).is_absolute()
                                          else sys.argv[0])] + sys.argv[1:])
-    from kllm_plugins.testing.kv_tiers import mha_host_pool
+    from kllm_plugins.plugins.kv_tiers.testing import mha_host_pool
 
     base = args.dir or tempfile.mkdtemp(prefix="kllm-page-io-", dir=os.environ.get("KLLM_BENCH_DIR"))
     recs: list[dict[str, Any]] = []

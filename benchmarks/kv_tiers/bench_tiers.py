@@ -72,7 +72,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from kllm_plugins.models.tiny_llama import tiny_llama_path
-from kllm_plugins.testing.kv_tiers import flush, kv_tiers_stats, l3_args
+from kllm_plugins.plugins.kv_tiers.testing import flush, kv_tiers_stats, l3_args
 from kllm_plugins.testing.sglang_server import SGLangServer, start_all
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -23,7 +23,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from kllm_plugins.testing.kv_tiers import flush, kv_tiers_stats
+from kllm_plugins.plugins.kv_tiers.testing import flush, kv_tiers_stats
 from kllm_plugins.testing.sglang_server import start_all
 
 sys.path.insert(0, str(Path(__file__).parent))

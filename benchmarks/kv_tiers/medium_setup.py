@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from kllm_plugins.testing.kv_tiers import HICACHE_ARGS, LAYER_FIRST, l3_args
+from kllm_plugins.plugins.kv_tiers.testing import HICACHE_ARGS, LAYER_FIRST, l3_args
 
 HERE = str(Path(__file__).resolve().parent)
 

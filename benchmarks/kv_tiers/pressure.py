@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 from kllm_plugins.models.tiny_llama import tiny_llama_path
-from kllm_plugins.testing.kv_tiers import flush, kv_tiers_stats, l3_args
+from kllm_plugins.plugins.kv_tiers.testing import flush, kv_tiers_stats, l3_args
 from kllm_plugins.testing.sglang_server import SGLangServer, start_all
 from replay import assign, measure, replay_serial
 from trace_gen import generate

@@ -25,7 +25,7 @@ from typing import Any
 
 import psutil
 
-from kllm_plugins.testing.kv_tiers import flush, kv_tiers_stats
+from kllm_plugins.plugins.kv_tiers.testing import flush, kv_tiers_stats
 from kllm_plugins.testing.sglang_server import SGLangServer, start_all
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -33,8 +33,8 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig
 
 from kllm_plugins.plugins.kv_tiers.core.file_store import FilePageStore
-from kllm_plugins.plugins.kv_tiers import sglang_adapter as _adapter
-from kllm_plugins.plugins.kv_tiers.sglang_adapter import KllmFileStorage
+from kllm_plugins.plugins.kv_tiers.sglang_adapter import file_storage as _adapter
+from kllm_plugins.plugins.kv_tiers.sglang_adapter.file_storage import KllmFileStorage
 
 logger = logging.getLogger("kllm.kv_tiers.bench.slow_medium")
 

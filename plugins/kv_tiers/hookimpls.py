@@ -8,8 +8,9 @@ from kllm_plugins.plugins.kv_tiers.config import KvTiersConfig
 from kllm_plugins.spec import OptionSpec, PatchSpec, PluginSpec, parse_bool
 
 ADAPTER = "kllm_plugins.plugins.kv_tiers.sglang_adapter"
+PREFETCH, ADMISSION = f"{ADAPTER}.prefetch", f"{ADAPTER}.admission"
+MEASUREMENT, EVENTS, COPIER = f"{ADAPTER}.measurement", f"{ADAPTER}.events", f"{ADAPTER}.copier"
 URC = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache"
-COPIER = "kllm_plugins.plugins.kv_tiers.sglang_copier"
 MHA_HOST = "sglang.srt.mem_cache.pool_host.mha.MHATokenToKVPoolHost"
 
 _D = KvTiersConfig()
@@ -63,7 +64,7 @@ def kllm_declare() -> PluginSpec:
         patches=(
             PatchSpec(
                 target=f"{URC}.prefetch_from_storage",
-                impl=f"{ADAPTER}:around_prefetch_from_storage",
+                impl=f"{PREFETCH}:around_prefetch_from_storage",
                 kind="around",
                 why="fetch-or-recompute and bounded prefetch: set the L3 prefetch threshold from the measured "
                     "break-even length, refuse prefetches beyond the in-flight budget, and start none whose first "
@@ -73,7 +74,7 @@ def kllm_declare() -> PluginSpec:
             ),
             PatchSpec(
                 target=f"{URC}.check_prefetch_progress",
-                impl=f"{ADAPTER}:after_check_prefetch_progress",
+                impl=f"{MEASUREMENT}:after_check_prefetch_progress",
                 kind="after",
                 why="measure what an L3 prefetch costs the request that waits for it (start to done, under "
                     "HiCache's default 'timeout' stop policy), the fetch cost that fetch-or-recompute weighs",
@@ -81,7 +82,7 @@ def kllm_declare() -> PluginSpec:
             ),
             PatchSpec(
                 target=f"{URC}._handle_prefetch_result",
-                impl=f"{ADAPTER}:after_handle_prefetch_result",
+                impl=f"{ADMISSION}:after_handle_prefetch_result",
                 kind="after",
                 why="admission hold: host-lock the span a finished L3 prefetch has just inserted into the host "
                     "tree (unlocked, from the storage ack drain of any scheduler pass) until its request is admitted",
@@ -90,7 +91,7 @@ def kllm_declare() -> PluginSpec:
             ),
             PatchSpec(
                 target="sglang.srt.managers.scheduler.Scheduler._process_hicache_events",
-                impl=f"{ADAPTER}:after_process_hicache_events",
+                impl=f"{PREFETCH}:after_process_hicache_events",
                 kind="after",
                 why="prefetch just in time: re-issue, in waiting-queue order, the L3 prefetches the gate deferred "
                     "for want of room (in flight or in L2) once room frees; and note whether requests wait (a busy "
@@ -100,21 +101,21 @@ def kllm_declare() -> PluginSpec:
             ),
             PatchSpec(
                 target=f"{URC}.finish_storage_prefetch_admission",
-                impl=f"{ADAPTER}:after_finish_storage_prefetch_admission",
+                impl=f"{ADMISSION}:after_finish_storage_prefetch_admission",
                 kind="after",
                 why="admission hold: a request is admitted, so the L3-loaded L2 span held for it is released",
                 upstream="as for _handle_prefetch_result",
             ),
             PatchSpec(
                 target=f"{URC}.release_aborted_request",
-                impl=f"{ADAPTER}:after_release_aborted_request",
+                impl=f"{ADMISSION}:after_release_aborted_request",
                 kind="after",
                 why="admission hold: an aborted request's held span is released",
                 upstream="as for _handle_prefetch_result",
             ),
             PatchSpec(
                 target=f"{URC}.init_load_back",
-                impl=f"{ADAPTER}:around_init_load_back",
+                impl=f"{MEASUREMENT}:around_init_load_back",
                 kind="around",
                 why="fetch-or-recompute for L2 hits: set load_back_threshold from the measured break-even length, "
                     "and measure L2->L1 loads",
@@ -122,14 +123,14 @@ def kllm_declare() -> PluginSpec:
             ),
             PatchSpec(
                 target="sglang.srt.managers.scheduler.Scheduler.run_batch",
-                impl=f"{ADAPTER}:around_run_batch",
+                impl=f"{MEASUREMENT}:around_run_batch",
                 kind="around",
                 why="measure the instance's prefill speed (tokens per second of extend batches) online",
                 upstream="per-batch forward timings exposed to plugins (a batch-finished observer)",
             ),
             PatchSpec(
                 target=f"{URC}.take_events",
-                impl=f"{ADAPTER}:after_take_events",
+                impl=f"{EVENTS}:after_take_events",
                 kind="after",
                 why="append L3 (DISK) store/remove events to the radix cache's KV events; the tree core emits "
                     "GPU and CPU media only",
@@ -153,7 +154,7 @@ def kllm_declare() -> PluginSpec:
             ),
             PatchSpec(
                 target="sglang.srt.disaggregation.kv_events.EventPublisherFactory.register_publisher",
-                impl=f"{ADAPTER}:register_publisher",
+                impl=f"{EVENTS}:register_publisher",
                 kind="registry",
                 why="a 'kllm_tiers' KV-event publisher (ZMQ) that stamps every event with the instance id",
                 upstream="an instance id in SGLang's KV event batch",

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from kllm_plugins.testing.kv_tiers import l3_args
+from kllm_plugins.plugins.kv_tiers.testing import l3_args
 from kllm_plugins.testing.sglang_server import SGLangServer, free_port
 
 PAGE = 16

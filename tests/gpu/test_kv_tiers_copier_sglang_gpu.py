@@ -1,4 +1,4 @@
-"""kv_tiers' staged copier as wired into SGLang's HiCache transfer (plugins/kv_tiers/sglang_copier.py)
+"""kv_tiers' staged copier as wired into SGLang's HiCache transfer (plugins/kv_tiers/sglang_adapter/copier.py)
 on CUDA, on the buffers SGLang's MHA pools build (no SGLang on the GPU machine): device K/V as one
 [rows, heads, dim] tensor per layer, the host pool pinned [2, pages, layers, page_size, heads, dim]
 (page_first_direct). The hooks' backup / load run on a side stream without waiting (as HiCache's
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kllm_plugins.plugins.kv_tiers import sglang_copier as sc
+from kllm_plugins.plugins.kv_tiers.sglang_adapter import copier as sc
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -20,7 +20,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from kllm_plugins.testing.kv_tiers import FILE_ADAPTER, HICACHE_ARGS, LAYER_FIRST, PAGE_FIRST, flush, wait_stats
+from kllm_plugins.plugins.kv_tiers.testing import FILE_ADAPTER, HICACHE_ARGS, LAYER_FIRST, PAGE_FIRST, flush, wait_stats
 from kllm_plugins.testing.sglang_server import SGLangServer, start_all
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sglang, pytest.mark.e2e]

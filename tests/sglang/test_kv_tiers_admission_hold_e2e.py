@@ -22,7 +22,7 @@ import pytest
 
 from kllm_plugins.models.tiny_llama import tiny_llama_path
 from kllm_plugins.testing.hf_reference import hf_greedy
-from kllm_plugins.testing.kv_tiers import flush, kv_tiers_stats, l3_args, wait_stats
+from kllm_plugins.plugins.kv_tiers.testing import flush, kv_tiers_stats, l3_args, wait_stats
 from kllm_plugins.testing.sglang_server import SGLangServer
 
 pytestmark = [pytest.mark.sglang, pytest.mark.e2e, pytest.mark.slow]

@@ -1,4 +1,4 @@
-"""kv_tiers' staged copier on SGLang's HiCache transfer path (plugins/kv_tiers/sglang_copier.py),
+"""kv_tiers' staged copier on SGLang's HiCache transfer path (plugins/kv_tiers/sglang_adapter/copier.py),
 on the CPU: the hooks leave the CPU platform's own transfer alone, take CUDA-eligible pools only,
 and, when taken, move the same bytes SGLang's `direct` page_first_direct transfer moves. The real
 thing on CUDA: tests/gpu/test_kv_tiers_copier_sglang_gpu.py."""
@@ -9,7 +9,7 @@ import inspect
 import pytest
 import torch
 
-from kllm_plugins.plugins.kv_tiers import sglang_copier as sc
+from kllm_plugins.plugins.kv_tiers.sglang_adapter import copier as sc
 
 pytestmark = pytest.mark.sglang
 

@@ -30,7 +30,7 @@ import pytest
 
 from kllm_plugins.models.tiny_llama import tiny_llama_path
 from kllm_plugins.testing.hf_reference import hf_greedy
-from kllm_plugins.testing.kv_tiers import (
+from kllm_plugins.plugins.kv_tiers.testing import (
     assert_loads_from_l3,
     flush,
     l3_args,

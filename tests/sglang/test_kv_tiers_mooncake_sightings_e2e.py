@@ -15,7 +15,7 @@ import pytest
 
 from kllm_plugins.models.tiny_llama import tiny_llama_path
 from kllm_plugins.testing.hf_reference import hf_greedy
-from kllm_plugins.testing.kv_tiers import assert_loads_from_l3, l3_args, mooncake_available, mooncake_master, wait_stats
+from kllm_plugins.plugins.kv_tiers.testing import assert_loads_from_l3, l3_args, mooncake_available, mooncake_master, wait_stats
 from kllm_plugins.testing.sglang_server import SGLangServer, start_all
 
 pytestmark = [pytest.mark.sglang, pytest.mark.e2e]

@@ -24,7 +24,7 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-from kllm_plugins.testing.kv_tiers import mooncake_master_path
+from kllm_plugins.plugins.kv_tiers.testing import mooncake_master_path
 from kllm_plugins.testing.sglang_server import free_port
 
 pytestmark = pytest.mark.sglang
@@ -70,7 +70,7 @@ def _start_master(log: Any, rpc: int, http: int, extra: tuple[str, ...] = ()) ->
          f"-http_metadata_server_port={http}", f"-metrics_port={free_port()}", *extra],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 20
-    from kllm_plugins.plugins.kv_tiers.sglang_mooncake import master_reachable
+    from kllm_plugins.plugins.kv_tiers.sglang_adapter.mooncake_storage import master_reachable
 
     while not master_reachable(f"127.0.0.1:{rpc}"):
         assert proc.poll() is None and time.monotonic() < deadline, "mooncake_master did not start"
@@ -109,15 +109,15 @@ def _storage_config(extra: dict[str, Any], model: str = "tiny-llama") -> Any:
 
 @pytest.fixture()
 def make(master, monkeypatch):
-    from kllm_plugins.plugins.kv_tiers import sglang_adapter
-    from kllm_plugins.plugins.kv_tiers.sglang_mooncake import KllmMooncakeStorage
+    from kllm_plugins.plugins.kv_tiers.sglang_adapter import state
+    from kllm_plugins.plugins.kv_tiers.sglang_adapter.mooncake_storage import KllmMooncakeStorage
 
     built: list[weakref.ref[Any]] = []
 
     def build(model: str = "tiny-llama", fresh: bool = True, pool: _HostPool | None = None,
               **extra: Any) -> tuple[Any, _HostPool]:
         if fresh:
-            monkeypatch.setattr(sglang_adapter, "_tiers", None)
+            monkeypatch.setattr(state, "_tiers", None)
         cfg = {"backend_name": "kllm_mooncake", "interface_v1": 1,
                "master_server_address": f"127.0.0.1:{master['rpc']}",
                "metadata_server": f"http://127.0.0.1:{master['http']}/metadata", "protocol": "tcp",
@@ -177,6 +177,46 @@ def test_selective_persistence_then_verified_read_feeds_the_cost_model(make) -> 
     assert b.t.fetch.snapshot() != before  # the read was measured
     ev = b.t.events.take()
     assert len(ev) == 1 and ev[0].medium == "EXTERNAL" and list(ev[0].keys) == keys
+
+
+def test_pages_skipped_while_dormant_are_written_once_reuse_is_seen(make) -> None:
+    """`dormant_hold_mb` with Mooncake, as with the file store (one write path): a first turn
+    offered while no reuse is seen is not written but held; once a lookup shows reuse the held
+    pages are written (K and V objects and their records), so another instance reads them, each
+    page as it was offered. With the hold off they are dropped."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+
+    dormant = {"start_active": False, "reuse_window": 4, "min_reuse": 2, "write_all_below_pressure": True}
+    b, pool = make(**dormant)
+    first = [_keys(2, f"turn1-{i}") for i in range(2)]
+    want = {}
+    for i, keys in enumerate(first):
+        assert b.batch_exists(keys) == 0
+        assert _write(b, pool, keys, seed=10 * i) == [True, True]  # skipped by choice: not a failure
+        want.update({k: pool.page(p) for p, k in enumerate(keys)})
+    snap = b.t.snapshot()
+    assert snap["write_mode"] == "dormant" and snap["held"]["pages"] == 4, snap["held"]
+    assert b.t.counts["pages_admitted"] == 0 and all(b.batch_exists(k) == 0 for k in first)
+    # the next turn extends the first: reuse is seen, and its write sends the held pages too
+    assert b.batch_exists(_keys(1, "turn2"), HiCacheStorageExtraInfo(prefix_keys=first[0])) == 0
+    assert _write(b, pool, _keys(1, "turn2"), seed=99) == [True]
+    assert b.t.counts["held_written"] == 4 and b.t.snapshot()["held"]["pages"] == 0
+    assert b.t.snapshot()["write_mode"] == "active"
+    other, pool_o = make(fresh=False)  # another client of the master
+    for keys in first:
+        assert other.batch_exists(keys) == 2
+        assert other.batch_get_v1(keys, _idx(20, 2)) == [True, True]  # records checked on the read
+        for p, k in enumerate(keys):
+            assert torch.equal(pool_o.page(20 + p), want[k])
+    assert not other.t.snapshot()["store"]["faults"]
+    stored = [k for e in b.t.events.take() if e.kind == "stored" for k in e.keys]
+    assert set(stored) >= {k for keys in first for k in keys}  # EXTERNAL events for the held pages too
+
+    off, pool_off = make(**dormant, dormant_hold_mb=0)
+    keys = _keys(2, "off")
+    assert _write(off, pool_off, keys) == [True, True] and off.t.snapshot()["held"]["pages"] == 0
+    assert off.batch_exists(_keys(1, "y"), HiCacheStorageExtraInfo(prefix_keys=keys)) == 0
+    assert _write(off, pool_off, _keys(1, "y")) == [True] and off.batch_exists(keys) == 0
 
 
 def test_second_client_reads_pages_of_the_first(make) -> None:
@@ -288,9 +328,9 @@ _PATIENT = {"min_reuse": 2, "sightings_timeout_ms": 10_000}
 
 
 def _markers(b: Any, keys: list[str]) -> list[int]:
-    from kllm_plugins.plugins.kv_tiers.sglang_mooncake import _MooncakeMarkers
+    from kllm_plugins.plugins.kv_tiers.sglang_adapter.mooncake_markers import MooncakeMarkers
 
-    return _MooncakeMarkers(b).exists(keys)
+    return MooncakeMarkers(b).exists(keys)
 
 
 def test_page_seen_once_on_each_of_two_instances_is_written_by_the_second(make) -> None:
@@ -486,10 +526,10 @@ class _Cache:
 
 
 def _hook(cache: _Cache) -> Any:
-    from kllm_plugins.plugins.kv_tiers import sglang_adapter as ad
+    from kllm_plugins.plugins.kv_tiers.sglang_adapter import prefetch as pf
 
     def prefetch(request: str, tokens: list[int], last_hash: Any = None, prefix_keys: Any = None) -> Any:
-        return ad.around_prefetch_from_storage(_Cache.prefetch, cache, request, "node", tokens, last_hash, prefix_keys)
+        return pf.around_prefetch_from_storage(_Cache.prefetch, cache, request, "node", tokens, last_hash, prefix_keys)
 
     return prefetch
 
@@ -510,14 +550,14 @@ def test_probe_finds_a_page_under_the_key_hicache_looks_up_and_a_miss_starts_no_
     persistence about the continuation."""
     from sglang.srt.mem_cache.utils import get_storage_hash_str
 
-    from kllm_plugins.plugins.kv_tiers import sglang_adapter as ad
+    from kllm_plugins.plugins.kv_tiers.sglang_adapter import prefetch as pf
 
     b, pool = make(min_reuse=1)
     cache = _Cache()
     prefetch = _hook(cache)
     tokens = list(range(300, 300 + 6 * PAGE))
     keys = get_storage_hash_str(tokens, None, page_size=PAGE)  # as HiCache's `_storage_hit_query`
-    assert ad._page_keys(cache, tokens, (None,), {}, pages=1)[0] == keys[0]
+    assert pf._page_keys(cache, tokens, (None,), {}, pages=1)[0] == keys[0]
 
     assert prefetch("r1", tokens, None, ["p0"]) is None  # nothing stored: no prefetch started
     assert cache.calls == 0 and b.t.counts["prefetch_probe_miss"] == 1
@@ -529,7 +569,7 @@ def test_probe_finds_a_page_under_the_key_hicache_looks_up_and_a_miss_starts_no_
     assert b.t.counts["prefetch_admitted"] == 1 and b.t.counts["prefetch_probe_miss"] == 1
     # chained on an anchor's hash: another key, not stored
     chained = get_storage_hash_str(tokens[:PAGE], keys[0], page_size=PAGE)[0]
-    assert ad._page_keys(cache, tokens, (keys[0],), {}, pages=1)[0] == chained != keys[0]
+    assert pf._page_keys(cache, tokens, (keys[0],), {}, pages=1)[0] == chained != keys[0]
     assert prefetch("r3", tokens, keys[0]) is None and cache.calls == 1
     # the first page's V object gone (evicted by the master): the lookup and the probe both miss
     obj = f"{b._tag_keys([keys[0]])[0]}_{b.mha_suffix}_v"

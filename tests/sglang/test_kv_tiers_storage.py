@@ -37,9 +37,10 @@ def _config(model: str = "tiny-llama", extra: dict[str, Any] | None = None) -> A
 @pytest.fixture()
 def backend_factory(tmp_path, monkeypatch):
     from kllm_plugins.plugins.kv_tiers import sglang_adapter
+    from kllm_plugins.plugins.kv_tiers.sglang_adapter import state
 
     def make(model: str = "tiny-llama", pool: Any = None, **extra: Any) -> Any:
-        monkeypatch.setattr(sglang_adapter, "_tiers", None)  # fresh per-process state
+        monkeypatch.setattr(state, "_tiers", None)  # fresh per-process state
         cfg = {"backend_name": "kllm_file", "module_path": sglang_adapter.__name__,
                "class_name": "KllmFileStorage", "store_dir": str(tmp_path),
                # most tests pin down the selective rule itself; the default (write everything while
@@ -128,7 +129,7 @@ def test_tier_events_reach_sglang_event_types(backend_factory) -> None:
     import msgspec
     from sglang.srt.disaggregation.kv_events import BlockStored, KVEventBatch
 
-    from kllm_plugins.plugins.kv_tiers.sglang_adapter import to_sglang_event
+    from kllm_plugins.plugins.kv_tiers.sglang_adapter.events import to_sglang_event
 
     b = backend_factory(min_reuse=1, instance_id="inst-1")
     keys = _keys(2, "e")
@@ -148,11 +149,11 @@ def test_tier_events_reach_sglang_event_types(backend_factory) -> None:
 def test_publisher_registers_and_stamps_instance_id(backend_factory) -> None:
     from sglang.srt.disaggregation.kv_events import BlockStored, EventPublisherFactory, KVEventBatch
 
-    from kllm_plugins.plugins.kv_tiers import sglang_adapter
+    from kllm_plugins.plugins.kv_tiers.sglang_adapter import events
 
     backend_factory(instance_id="inst-2")
-    check = sglang_adapter.register_publisher()
-    assert check() and sglang_adapter.register_publisher()()  # idempotent
+    check = events.register_publisher()
+    assert check() and events.register_publisher()()  # idempotent
     pub = EventPublisherFactory.create('{"publisher": "kllm_tiers", "endpoint": "inproc://kvt-test"}')
     try:
         sent: list[Any] = []
@@ -198,9 +199,9 @@ class _Cache:
 def _store_pages(b: Any, cache: Any, tokens: list[int], pages: int | None = None, last_hash: Any = None) -> None:
     """Put the first `pages` (None: all) pages a prefetch of `tokens` would look up, so the hook's L3
     probe finds them."""
-    from kllm_plugins.plugins.kv_tiers import sglang_adapter as ad
+    from kllm_plugins.plugins.kv_tiers.sglang_adapter import prefetch as pf
 
-    keys = ad._page_keys(cache, tokens, (last_hash,), {}, pages=pages)
+    keys = pf._page_keys(cache, tokens, (last_hash,), {}, pages=pages)
     assert keys is not None and len(keys) == (pages or len(tokens) // cache.page_size)
     for key in keys:
         assert b.store.put(key, memoryview(_pages(1, 99)[0].view(torch.uint8).numpy()).cast("B"))
@@ -211,45 +212,45 @@ def test_prefetch_is_not_started_when_its_first_page_is_not_in_l3(backend_factor
     waits ~1 s for it): the hook probes the first page's storage key and starts none for a miss."""
     from sglang.srt.mem_cache.utils import get_storage_hash_str
 
-    from kllm_plugins.plugins.kv_tiers import sglang_adapter as ad
+    from kllm_plugins.plugins.kv_tiers.sglang_adapter import prefetch as pf
 
     b = backend_factory(min_reuse=1)
     cache = _Cache()
     tokens = list(range(1000, 1512))
-    assert ad.around_prefetch_from_storage(_Cache.prefetch, cache, "r1", None, tokens) is None
+    assert pf.around_prefetch_from_storage(_Cache.prefetch, cache, "r1", None, tokens) is None
     assert cache.calls == 0 and b.t.counts["prefetch_probe_miss"] == 1
     # the probe's key is the one HiCache's storage query looks up first for these tokens
     first = get_storage_hash_str(tokens[:512], None, page_size=16)[0]
-    assert ad._page_keys(cache, tokens, (None,), {}, pages=1)[0] == first
+    assert pf._page_keys(cache, tokens, (None,), {}, pages=1)[0] == first
     chained = get_storage_hash_str(tokens[:16], first, page_size=16)[0]
-    assert ad._page_keys(cache, tokens, (first,), {}, pages=1)[0] == chained != first
+    assert pf._page_keys(cache, tokens, (first,), {}, pages=1)[0] == chained != first
     assert b.batch_set([first], _pages(1, 3)) and b.store.exists(first)
-    assert ad.around_prefetch_from_storage(_Cache.prefetch, cache, "r2", None, tokens) is True
+    assert pf.around_prefetch_from_storage(_Cache.prefetch, cache, "r2", None, tokens) is True
     assert cache.calls == 1 and b.t.counts["prefetch_admitted"] == 1
     # a re-issued prefetch of a known hit is not probed again
-    assert ad.around_prefetch_from_storage(_Cache.prefetch, cache, "r3", None, list(range(64)),
+    assert pf.around_prefetch_from_storage(_Cache.prefetch, cache, "r3", None, list(range(64)),
                                            storage_hit_end=64) is True
 
 
 def test_probe_runs_without_adaptive_thresholds_for_prefetches_hicache_would_start(backend_factory) -> None:
     """With `adaptive_thresholds` off HiCache keeps its own threshold; a prefetch it would start is
     still probed (a certain miss starts none), one it declines as too short is passed through."""
-    from kllm_plugins.plugins.kv_tiers import sglang_adapter as ad
+    from kllm_plugins.plugins.kv_tiers.sglang_adapter import prefetch as pf
 
     b = backend_factory(min_reuse=1, adaptive_thresholds=False)
     cache = _Cache()  # HiCache's default threshold, 256 tokens
-    assert ad.around_prefetch_from_storage(_Cache.prefetch, cache, "s", None, list(range(64))) is True
+    assert pf.around_prefetch_from_storage(_Cache.prefetch, cache, "s", None, list(range(64))) is True
     assert cache.calls == 1 and b.t.path_calls["probe"] == 0  # too short for HiCache: not probed
     tokens = list(range(1000, 1512))
-    assert ad.around_prefetch_from_storage(_Cache.prefetch, cache, "m", None, tokens) is None
+    assert pf.around_prefetch_from_storage(_Cache.prefetch, cache, "m", None, tokens) is None
     assert cache.calls == 1 and b.t.counts["prefetch_probe_miss"] == 1
     # the first page there but not the 16th (HiCache's 256 tokens): HiCache would decline the hit
     # after its lookup, with the request waiting for it; the probe of the 16th page starts none
     _store_pages(b, cache, tokens, 1)
-    assert ad.around_prefetch_from_storage(_Cache.prefetch, cache, "s", None, tokens) is None
+    assert pf.around_prefetch_from_storage(_Cache.prefetch, cache, "s", None, tokens) is None
     assert cache.calls == 1 and b.t.counts["prefetch_probe_short"] == 1 and b.t.path_calls["probe"] == 2
     _store_pages(b, cache, tokens, 16)
-    assert ad.around_prefetch_from_storage(_Cache.prefetch, cache, "h", None, tokens) is True
+    assert pf.around_prefetch_from_storage(_Cache.prefetch, cache, "h", None, tokens) is True
     assert cache.calls == 2 and b.t.path_calls["probe"] == 3 and cache.prefetch_threshold == 256
     assert b.t.counts["prefetch_probe_miss"] == 1 and b.t.counts["prefetch_probe_short"] == 1
 
@@ -258,20 +259,20 @@ def test_probe_miss_of_a_continuation_still_shows_reuse(backend_factory) -> None
     """Dormant (nothing written yet), every probe misses and no prefetch starts, so no L3 lookup
     happens; the hook still tells the policy what the lookup would have (a request extending a
     cached prefix), so the policy turns active and writes, instead of staying dormant for good."""
-    from kllm_plugins.plugins.kv_tiers import sglang_adapter as ad
+    from kllm_plugins.plugins.kv_tiers.sglang_adapter import prefetch as pf
 
     b = backend_factory(min_reuse=2, write_all_below_pressure=True, reuse_window=4)
     cache = _Cache({"turn1": ["a1", "a2"]})
     for i in range(3):  # one-off prompts anchored at the root: misses, nothing reused
-        assert ad.around_prefetch_from_storage(_Cache.prefetch, cache, f"o{i}", "root",
+        assert pf.around_prefetch_from_storage(_Cache.prefetch, cache, f"o{i}", "root",
                                                list(range(100 * i, 100 * i + 64)), None, []) is None
     assert b.t.snapshot()["write_mode"] == "dormant" and b.t.counts["prefetch_probe_miss"] == 3
     tokens = list(range(5000, 5064))
-    assert ad.around_prefetch_from_storage(_Cache.prefetch, cache, "t2", "turn1", tokens, None, ["a1"]) is None
+    assert pf.around_prefetch_from_storage(_Cache.prefetch, cache, "t2", "turn1", tokens, None, ["a1"]) is None
     assert cache.calls == 0 and b.t.counts["prefetch_probe_miss"] == 4
     assert b.t.snapshot()["write_mode"] == "active"
     # the continuation's pages were noted as such (admitted at their first sighting under pressure)
-    keys = ad._page_keys(cache, tokens, (None,), {})
+    keys = pf._page_keys(cache, tokens, (None,), {})
     assert keys is not None and len(keys) == 4
     assert all(b.t.persistence.continuations.count(k) == 1 for k in keys)
 
@@ -279,15 +280,15 @@ def test_probe_miss_of_a_continuation_still_shows_reuse(backend_factory) -> None
 def test_prefetch_hook_completes_the_prefix_keys_with_the_anchor_node(backend_factory) -> None:
     """SGLang passes the anchor's ancestors' keys only; a lookup anchored right under the root
     would look like a request that reuses nothing. The hook adds the anchor's own keys."""
-    from kllm_plugins.plugins.kv_tiers import sglang_adapter as ad
+    from kllm_plugins.plugins.kv_tiers.sglang_adapter import prefetch as pf
 
     b0 = backend_factory()
     cache = _Cache({"sys": ["k1", "k2"], "turn": ["k3"]})
     _store_pages(b0, cache, list(range(64)))
-    ad.around_prefetch_from_storage(_Cache.prefetch, cache, "r1", "sys", list(range(64)), "k2", [])
-    ad.around_prefetch_from_storage(_Cache.prefetch, cache, "r2", "turn", list(range(64)), "k3", ["k1", "k2"])
-    ad.around_prefetch_from_storage(_Cache.prefetch, cache, "r3", "turn", list(range(64)), "k3", None)
-    ad.around_prefetch_from_storage(_Cache.prefetch, cache, "r4", "root", list(range(64)), None, [])
+    pf.around_prefetch_from_storage(_Cache.prefetch, cache, "r1", "sys", list(range(64)), "k2", [])
+    pf.around_prefetch_from_storage(_Cache.prefetch, cache, "r2", "turn", list(range(64)), "k3", ["k1", "k2"])
+    pf.around_prefetch_from_storage(_Cache.prefetch, cache, "r3", "turn", list(range(64)), "k3", None)
+    pf.around_prefetch_from_storage(_Cache.prefetch, cache, "r4", "root", list(range(64)), None, [])
     assert [a[1] for a in cache.seen_args] == [["k1", "k2"], ["k1", "k2", "k3"], None, []]
     # a lookup with the completed keys counts as a continuation: its missing pages are admitted
     # at their first sighting under pressure
@@ -382,22 +383,22 @@ def test_pages_skipped_while_dormant_are_written_once_reuse_is_seen(backend_fact
 def test_prefetch_wait_by_load_off_keeps_one_average(backend_factory) -> None:
     from types import SimpleNamespace
 
-    from kllm_plugins.plugins.kv_tiers import sglang_adapter as ad
+    from kllm_plugins.plugins.kv_tiers.sglang_adapter import measurement as ms, prefetch as pf
 
     b = backend_factory(prefill_tokens_per_s=2000.0, prefetch_wait_by_load=False)
     cache = _Cache()
     cache.prefetch_loaded_tokens_by_reqid = {"r": 64}
     _store_pages(b, cache, list(range(512)))
-    ad.after_process_hicache_events(None, SimpleNamespace(tree_cache=cache, waiting_queue=[object()] * 3))
+    pf.after_process_hicache_events(None, SimpleNamespace(tree_cache=cache, waiting_queue=[object()] * 3))
     assert b.t.waiting == 3 and not b.t.busy()
 
     def prefetch(self: Any, request: Any, *a: Any, **k: Any) -> bool:
         self.ongoing_prefetch[request] = object()
         return True
 
-    ad.around_prefetch_from_storage(prefetch, cache, "r", None, list(range(512)))
-    ad.after_check_prefetch_progress(False, cache, "r")
-    ad.after_check_prefetch_progress(True, cache, "r")
+    pf.around_prefetch_from_storage(prefetch, cache, "r", None, list(range(512)))
+    ms.after_check_prefetch_progress(False, cache, "r")
+    ms.after_check_prefetch_progress(True, cache, "r")
     assert b.t.fetch.l3_waits == 1 and b.t.fetch.l3_waits_busy == 0
 
 
@@ -406,7 +407,7 @@ def test_prefetch_delay_is_measured_from_the_first_blocked_admission(backend_fac
     to wait for costs the wait, which raises the L3 break-even length."""
     import time as _time
 
-    from kllm_plugins.plugins.kv_tiers import sglang_adapter as ad
+    from kllm_plugins.plugins.kv_tiers.sglang_adapter import measurement as ms, prefetch as pf
 
     b = backend_factory(prefill_tokens_per_s=2000.0)
     cache = _Cache()
@@ -417,11 +418,11 @@ def test_prefetch_delay_is_measured_from_the_first_blocked_admission(backend_fac
         def prefetch(self: Any, request: Any, *a: Any, **k: Any) -> bool:
             self.ongoing_prefetch[request] = object()
             return True
-        ad.around_prefetch_from_storage(prefetch, cache, rid, None, list(range(512)))
+        pf.around_prefetch_from_storage(prefetch, cache, rid, None, list(range(512)))
 
     start("queued")
     _time.sleep(0.05)  # the prefetch runs while the request waits its turn anyway
-    ad.after_check_prefetch_progress(True, cache, "queued")
+    ms.after_check_prefetch_progress(True, cache, "queued")
     cache.ongoing_prefetch.pop("queued")  # HiCache drops a finished prefetch
     assert b.t.prefetch_wait["calls"] == 1 and b.t.prefetch_wait["seconds"] == 0.0
     base = b.t.fetch.min_fetch_tokens("l3")
@@ -429,10 +430,10 @@ def test_prefetch_delay_is_measured_from_the_first_blocked_admission(backend_fac
         rid = f"blocked{i}"
         start(rid)
         cache.prefetch_loaded_tokens_by_reqid[rid] = 64  # what the prefetch loaded
-        ad.after_check_prefetch_progress(False, cache, rid)  # the scheduler waits from here
+        ms.after_check_prefetch_progress(False, cache, rid)  # the scheduler waits from here
         _time.sleep(0.04)
-        ad.after_check_prefetch_progress(False, cache, rid)
-        ad.after_check_prefetch_progress(True, cache, rid)
+        ms.after_check_prefetch_progress(False, cache, rid)
+        ms.after_check_prefetch_progress(True, cache, rid)
         cache.ongoing_prefetch.pop(rid)
     w = b.t.prefetch_wait
     assert w["calls"] == 6 and w["misses"] == 1 and w["loaded_tokens"] == 5 * 64 and w["seconds"] >= 5 * 0.04
@@ -444,51 +445,51 @@ def test_prefetch_delay_is_measured_from_the_first_blocked_admission(backend_fac
     from types import SimpleNamespace
 
     idle_overhead = b.t.fetch.l3_overhead()
-    ad.after_process_hicache_events(None, SimpleNamespace(tree_cache=cache, waiting_queue=[object()] * 3))
+    pf.after_process_hicache_events(None, SimpleNamespace(tree_cache=cache, waiting_queue=[object()] * 3))
     assert b.t.waiting == 3
     for i in range(3):
         rid = f"busy{i}"
         start(rid)
         cache.prefetch_loaded_tokens_by_reqid[rid] = 64
-        ad.after_check_prefetch_progress(False, cache, rid)
+        ms.after_check_prefetch_progress(False, cache, rid)
         _time.sleep(0.08)
-        ad.after_check_prefetch_progress(True, cache, rid)
+        ms.after_check_prefetch_progress(True, cache, rid)
         cache.ongoing_prefetch.pop(rid)
     assert b.t.fetch.l3_waits_busy == 3 and b.t.fetch.l3_overhead(busy=True) >= 0.08 - 1e-3
     assert b.t.fetch.l3_overhead() == idle_overhead  # the idle estimate is left as it was
     start("busy_next")
     assert cache.prefetch_threshold == max(16, int(b.t.fetch.min_fetch_tokens("l3", 512, busy=True)))
     # the queue drained: the next decision is priced idle again
-    ad.after_process_hicache_events(None, SimpleNamespace(tree_cache=cache, waiting_queue=[]))
+    pf.after_process_hicache_events(None, SimpleNamespace(tree_cache=cache, waiting_queue=[]))
     start("after")
     assert cache.prefetch_threshold == max(16, int(b.t.fetch.min_fetch_tokens("l3", 512)))
     assert cache.prefetch_threshold < max(16, int(b.t.fetch.min_fetch_tokens("l3", 512, busy=True)))
 
 
 def test_prefetch_hook_sets_break_even_threshold_and_bounds_inflight(backend_factory) -> None:
-    from kllm_plugins.plugins.kv_tiers import sglang_adapter as ad
+    from kllm_plugins.plugins.kv_tiers.sglang_adapter import prefetch as pf
 
     b = backend_factory(prefetch_max_inflight_ops=1, l3_read_gbps=5.0, prefill_tokens_per_s=1000.0)
     cache = _Cache()
     _store_pages(b, cache, list(range(512)))
-    assert ad.around_prefetch_from_storage(_Cache.prefetch, cache, "r1", None, list(range(512))) is True
+    assert pf.around_prefetch_from_storage(_Cache.prefetch, cache, "r1", None, list(range(512))) is True
     expected = b.t.fetch.min_fetch_tokens("l3")
     assert cache.prefetch_threshold == max(16, int(expected))
     cache.ongoing_prefetch["r1"] = object()  # one in flight: the budget is spent
-    assert ad.around_prefetch_from_storage(_Cache.prefetch, cache, "r2", None, list(range(512))) is None
+    assert pf.around_prefetch_from_storage(_Cache.prefetch, cache, "r2", None, list(range(512))) is None
     assert cache.calls == 1 and b.t.counts["prefetch_refused"] == 1
     # an already running prefetch is always let through (HiCache polls it)
-    assert ad.around_prefetch_from_storage(_Cache.prefetch, cache, "r1", None, list(range(512))) is True
+    assert pf.around_prefetch_from_storage(_Cache.prefetch, cache, "r1", None, list(range(512))) is True
 
 
 def test_prefetch_hook_refuses_when_recompute_is_cheaper(backend_factory) -> None:
-    from kllm_plugins.plugins.kv_tiers import sglang_adapter as ad
+    from kllm_plugins.plugins.kv_tiers.sglang_adapter import prefetch as pf
 
     b = backend_factory()
     for n in (16, 64, 256) * 11:  # measured (on more than trust_samples reads): a very slow disk (1 MB/s)
         b.t.fetch.observe_transfer("l3", n * 2048, n * 2048 / 1e6)
     cache = _Cache()
-    assert ad.around_prefetch_from_storage(_Cache.prefetch, cache, "r", None, list(range(512))) is None
+    assert pf.around_prefetch_from_storage(_Cache.prefetch, cache, "r", None, list(range(512))) is None
     assert cache.prefetch_threshold >= 1 << 30 and cache.calls == 0
 
 
@@ -497,7 +498,7 @@ def test_run_batch_hook_feeds_prefill_passes_with_their_attention_pairs(backend_
     prefix and extend lengths, the attention pairs; decode batches are not prefill."""
     from types import SimpleNamespace
 
-    from kllm_plugins.plugins.kv_tiers import sglang_adapter as ad
+    from kllm_plugins.plugins.kv_tiers.sglang_adapter import measurement as ms
 
     b = backend_factory()
     mode = SimpleNamespace(is_extend=lambda: True)
@@ -506,22 +507,22 @@ def test_run_batch_hook_feeds_prefill_passes_with_their_attention_pairs(backend_
         return "out"
 
     batch = SimpleNamespace(forward_mode=mode, extend_num_tokens=96, extend_lens=[64, 32], prefix_lens=[128, 0])
-    assert ad._attention_pairs(batch) == 64 * (128 + 64) + 32 * 32
-    assert ad.around_run_batch(run, None, batch) == "out"
+    assert ms._attention_pairs(batch) == 64 * (128 + 64) + 32 * 32
+    assert ms.around_run_batch(run, None, batch) == "out"
     untold = SimpleNamespace(forward_mode=mode, extend_num_tokens=96)
-    ad.around_run_batch(run, None, untold)
+    ms.around_run_batch(run, None, untold)
     decode = SimpleNamespace(forward_mode=SimpleNamespace(is_extend=lambda: False), extend_num_tokens=0)
-    ad.around_run_batch(run, None, decode)
+    ms.around_run_batch(run, None, decode)
     prefill = b.t.fetch.prefill
     assert prefill.samples == 1 and prefill.linear.samples == 2
 
 
 def test_load_back_hook_measures_and_sets_threshold(backend_factory) -> None:
-    from kllm_plugins.plugins.kv_tiers import sglang_adapter as ad
+    from kllm_plugins.plugins.kv_tiers.sglang_adapter import measurement as ms
 
     b = backend_factory()
     cache = _Cache()
-    out = ad.around_init_load_back(lambda self, params: (128, "node"), cache, None)
+    out = ms.around_init_load_back(lambda self, params: (128, "node"), cache, None)
     assert out == (128, "node")
     assert cache.load_back_threshold == int(b.t.fetch.min_fetch_tokens("l2"))
     assert b.t.fetch.tiers["l2"].samples == 1 and b.t.counts["l2_loaded_tokens"] == 128
@@ -530,7 +531,7 @@ def test_load_back_hook_measures_and_sets_threshold(backend_factory) -> None:
 def test_load_back_refused_as_slow_is_explored_every_nth_time(backend_factory) -> None:
     """An L2 measured slower than recomputing sets the load-back threshold to "never", except every
     `explore_every`-th time, when the load-back runs so that L2 is re-measured."""
-    from kllm_plugins.plugins.kv_tiers import sglang_adapter as ad
+    from kllm_plugins.plugins.kv_tiers.sglang_adapter import measurement as ms
 
     b = backend_factory(explore_every=4)
     for n in (16, 64, 256) * 11:  # measured (on more than trust_samples loads): host copies at 0.1 MB/s
@@ -539,7 +540,7 @@ def test_load_back_refused_as_slow_is_explored_every_nth_time(backend_factory) -
     cache = _Cache()
     thresholds = []
     for _ in range(8):
-        ad.around_init_load_back(lambda self, params: (0, "node"), cache, None)
+        ms.around_init_load_back(lambda self, params: (0, "node"), cache, None)
         thresholds.append(cache.load_back_threshold)
     assert [th < 1 << 30 for th in thresholds] == [False, False, False, True] * 2, thresholds
     assert b.t.counts["l2_explored"] == 2
@@ -556,14 +557,14 @@ def test_every_patch_target_resolves_against_installed_sglang() -> None:
 
 
 def test_second_sighting_may_happen_on_another_instance(backend_factory, tmp_path) -> None:
-    from kllm_plugins.plugins.kv_tiers import sglang_adapter
+    from kllm_plugins.plugins.kv_tiers.sglang_adapter import state
 
     a = backend_factory(min_reuse=2)
     keys, pages = _keys(3, "s"), _pages(3, 5)
     assert a.batch_set(keys, pages) and a.batch_exists(keys) == 0  # A's first sighting: skipped
-    a_tiers = sglang_adapter._tiers
+    a_tiers = state._tiers
     b = backend_factory(min_reuse=2)  # another instance (fresh per-process state), same folder
-    assert sglang_adapter._tiers is not a_tiers
+    assert state._tiers is not a_tiers
     assert b.batch_set(keys, pages)  # B's first, the page's second sighting: written
     assert b.batch_exists(keys) == 3 and b.t.counts["pages_admitted"] == 3
     assert not os.listdir(os.path.join(b.store.folder, ".seen"))  # markers of written pages are gone
@@ -576,7 +577,7 @@ def test_slow_store_is_measured_and_then_recomputed(backend_factory, monkeypatch
     prefetch hook refuses L3 for new requests, and a metric and a log line say why."""
     import time
 
-    from kllm_plugins.plugins.kv_tiers import sglang_adapter as ad
+    from kllm_plugins.plugins.kv_tiers.sglang_adapter import prefetch as pf
     from kllm_plugins.plugins.kv_tiers.core import file_store
 
     b = backend_factory(min_reuse=1, explore_every=0, prefill_tokens_per_s=20000.0)
@@ -584,7 +585,7 @@ def test_slow_store_is_measured_and_then_recomputed(backend_factory, monkeypatch
     assert b.batch_set(keys, pages)
     cache = _Cache()
     _store_pages(b, cache, list(range(512)))
-    assert ad.around_prefetch_from_storage(_Cache.prefetch, cache, "r0", None, list(range(512))) is True
+    assert pf.around_prefetch_from_storage(_Cache.prefetch, cache, "r0", None, list(range(512))) is True
 
     fast_readv = os.readv
 
@@ -597,7 +598,7 @@ def test_slow_store_is_measured_and_then_recomputed(backend_factory, monkeypatch
         dst = [torch.empty(PAGE_ELEMS, dtype=torch.bfloat16) for _ in keys]
         assert all(g is not None for g in b.batch_get(keys, dst))  # still correct, only slow
     with caplog.at_level("WARNING", logger="kllm.kv_tiers"):
-        assert ad.around_prefetch_from_storage(_Cache.prefetch, cache, "r1", None, list(range(512))) is None
+        assert pf.around_prefetch_from_storage(_Cache.prefetch, cache, "r1", None, list(range(512))) is None
     assert cache.prefetch_threshold >= 1 << 30 and cache.calls == 1
     assert "l3 is slower than recomputing" in caplog.text
     from prometheus_client import REGISTRY
@@ -612,7 +613,7 @@ def test_store_refused_as_slow_is_re_measured_and_used_again_when_fast(backend_f
     store is fast again prefetches are admitted by the break-even length as before."""
     import time
 
-    from kllm_plugins.plugins.kv_tiers import sglang_adapter as ad
+    from kllm_plugins.plugins.kv_tiers.sglang_adapter import prefetch as pf
     from kllm_plugins.plugins.kv_tiers.core import file_store
 
     b = backend_factory(min_reuse=1, explore_every=3, prefill_tokens_per_s=20000.0)
@@ -635,7 +636,7 @@ def test_store_refused_as_slow_is_re_measured_and_used_again_when_fast(backend_f
     for _ in range(8):  # 32 page reads: trust_samples, so refusals are no longer all explored
         read_all()
     assert b.t.fetch.min_fetch_tokens("l3") == float("inf")
-    started = [ad.around_prefetch_from_storage(_Cache.prefetch, cache, f"r{i}", None, list(range(512)))
+    started = [pf.around_prefetch_from_storage(_Cache.prefetch, cache, f"r{i}", None, list(range(512)))
                for i in range(6)]
     assert started == [None, None, True, None, None, True], started  # the 3rd and 6th refusals explore
     assert cache.calls == 2 and b.t.counts["prefetch_explored"] == 2
@@ -643,7 +644,7 @@ def test_store_refused_as_slow_is_re_measured_and_used_again_when_fast(backend_f
     for _ in range(30):
         read_all()
     assert b.t.fetch.min_fetch_tokens("l3") < 512
-    assert ad.around_prefetch_from_storage(_Cache.prefetch, cache, "r9", None, list(range(512))) is True
+    assert pf.around_prefetch_from_storage(_Cache.prefetch, cache, "r9", None, list(range(512))) is True
     assert cache.calls == 3 and b.t.counts["prefetch_explored"] == 2  # admitted on its merits
 
 
@@ -662,7 +663,7 @@ def test_lookup_that_extends_a_cached_prefix_marks_continuations(backend_factory
 
 
 def _mha_pool(layout: str, pages: int = 8, seed: int = 0) -> Any:
-    from kllm_plugins.testing.kv_tiers import mha_host_pool
+    from kllm_plugins.plugins.kv_tiers.testing import mha_host_pool
 
     return mha_host_pool(layout, pages, seed=seed)
 
@@ -737,7 +738,7 @@ def test_prefetches_refused_for_l2_room_are_deferred_and_reissued_in_queue_order
     stops at the first that is deferred again; admission or abort forgets a deferral."""
     from types import SimpleNamespace
 
-    from kllm_plugins.plugins.kv_tiers import sglang_adapter as ad
+    from kllm_plugins.plugins.kv_tiers.sglang_adapter import admission as adm, prefetch as pf
 
     b = backend_factory(prefill_tokens_per_s=100.0, l3_read_gbps=50.0, prefetch_max_inflight_ops=8,
                         admission_hold_fraction=0.5)
@@ -750,13 +751,13 @@ def test_prefetches_refused_for_l2_room_are_deferred_and_reissued_in_queue_order
         self.ongoing_prefetch[request] = SimpleNamespace(hash_value=[0] * 32)  # 512 tokens in flight
         return True
 
-    assert ad.around_prefetch_from_storage(prefetch, cache, "r1", None, tokens) is True
-    assert ad.around_prefetch_from_storage(prefetch, cache, "r2", None, tokens) is True  # 1024: full
-    assert ad.around_prefetch_from_storage(prefetch, cache, "r3", None, tokens) is None
-    assert ad.around_prefetch_from_storage(prefetch, cache, "r4", None, tokens) is None
+    assert pf.around_prefetch_from_storage(prefetch, cache, "r1", None, tokens) is True
+    assert pf.around_prefetch_from_storage(prefetch, cache, "r2", None, tokens) is True  # 1024: full
+    assert pf.around_prefetch_from_storage(prefetch, cache, "r3", None, tokens) is None
+    assert pf.around_prefetch_from_storage(prefetch, cache, "r4", None, tokens) is None
     assert list(b.t.deferred) == ["r3", "r4"] and b.t.counts["prefetch_deferred"] == 2
     # a certain miss is not deferred: its prefix is recomputed at once
-    assert ad.around_prefetch_from_storage(prefetch, cache, "miss", None, list(range(900, 1412))) is None
+    assert pf.around_prefetch_from_storage(prefetch, cache, "miss", None, list(range(900, 1412))) is None
     assert "miss" not in b.t.deferred
 
     issued: list[str] = []
@@ -767,18 +768,18 @@ def test_prefetches_refused_for_l2_room_are_deferred_and_reissued_in_queue_order
 
         def _prefetch_kvcache(self, req: Any) -> None:
             issued.append(req.cache_request_handle)
-            ad.around_prefetch_from_storage(prefetch, cache, req.cache_request_handle, None, tokens)
+            pf.around_prefetch_from_storage(prefetch, cache, req.cache_request_handle, None, tokens)
 
     sched = _Scheduler()
-    ad.after_process_hicache_events(None, sched)  # still full: r4 (first in the queue) is deferred again
+    pf.after_process_hicache_events(None, sched)  # still full: r4 (first in the queue) is deferred again
     assert issued == ["r4"] and list(b.t.deferred) == ["r3", "r4"]
-    ad.after_process_hicache_events(None, sched)  # nothing ended or was released: no walk at all
+    pf.after_process_hicache_events(None, sched)  # nothing ended or was released: no walk at all
     assert issued == ["r4"]
     del cache.ongoing_prefetch["r1"]  # a prefetch ended: room for one
     issued.clear()
-    ad.after_process_hicache_events(None, sched)
+    pf.after_process_hicache_events(None, sched)
     assert issued == ["r4", "r3"] and "r4" in cache.ongoing_prefetch and list(b.t.deferred) == ["r3"]
-    ad.after_finish_storage_prefetch_admission(None, cache, "r3", 0, None)  # admitted without its prefetch
+    adm.after_finish_storage_prefetch_admission(None, cache, "r3", 0, None)  # admitted without its prefetch
     assert not b.t.deferred and b.t.counts["prefetch_reissued"] == 3
 
 
@@ -794,7 +795,7 @@ def test_l2_budget_counts_prefetches_whose_hit_query_has_not_run(backend_factory
     from sglang.srt.managers.cache_controller import PrefetchOperation
     from sglang.srt.mem_cache.unified_radix_cache import _OngoingPrefetch
 
-    from kllm_plugins.plugins.kv_tiers import sglang_adapter as ad
+    from kllm_plugins.plugins.kv_tiers.sglang_adapter import prefetch as pf
 
     b = backend_factory(prefill_tokens_per_s=100.0, l3_read_gbps=50.0, prefetch_max_inflight_ops=8,
                         admission_hold_fraction=0.5)
@@ -812,17 +813,17 @@ def test_l2_budget_counts_prefetches_whose_hit_query_has_not_run(backend_factory
         self.ongoing_prefetch[request] = entry(request, new_tokens)
         return True
 
-    assert ad._inflight(cache) == (0, 0)
-    assert ad.around_prefetch_from_storage(prefetch, cache, "r1", None, tokens) is True
-    assert ad._inflight(cache) == (1, 512)  # the whole candidate span, before the query
-    assert ad.around_prefetch_from_storage(prefetch, cache, "r2", None, tokens) is True  # 1024: full
-    assert ad.around_prefetch_from_storage(prefetch, cache, "r3", None, tokens) is None
+    assert pf._inflight(cache) == (0, 0)
+    assert pf.around_prefetch_from_storage(prefetch, cache, "r1", None, tokens) is True
+    assert pf._inflight(cache) == (1, 512)  # the whole candidate span, before the query
+    assert pf.around_prefetch_from_storage(prefetch, cache, "r2", None, tokens) is True  # 1024: full
+    assert pf.around_prefetch_from_storage(prefetch, cache, "r3", None, tokens) is None
     assert list(b.t.deferred) == ["r3"]
     # once r1's query has run and found 10 of its 32 pages, it counts those pages only
     op = cache.ongoing_prefetch["r1"].operation
     op.all_hash_values = [str(i) for i in range(32)]
     op.hash_value = op.all_hash_values[:10]
-    assert ad._inflight(cache) == (2, 10 * 16 + 512)
+    assert pf._inflight(cache) == (2, 10 * 16 + 512)
     # a span that is not page-aligned counts its whole pages only (what HiCache can load)
     cache.ongoing_prefetch["r4"] = entry("r4", list(range(40)))
-    assert ad._inflight(cache) == (3, 10 * 16 + 512 + 32)
+    assert pf._inflight(cache) == (3, 10 * 16 + 512 + 32)

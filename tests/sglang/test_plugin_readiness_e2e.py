@@ -14,7 +14,7 @@ line what it cannot serve, before any model loads.
 
 The other plugins' documented minimal commands are exercised, counters asserted, by their own
 e2e tests: trace (test_host_e2e), fair_sched (test_fair_sched_e2e), kv_tiers (the
-test_kv_tiers_*_e2e servers, started with kllm_plugins.testing.kv_tiers.l3_args), bigpd_router
+test_kv_tiers_*_e2e servers, started with kllm_plugins.plugins.kv_tiers.testing.l3_args), bigpd_router
 (test_bigpd_router_e2e, PD over Mooncake); dspark and ring_cp need CUDA (tests/gpu).
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Iterator
 
 import pytest
 
-from kllm_plugins.testing.kv_tiers import flush
+from kllm_plugins.plugins.kv_tiers.testing import flush
 from kllm_plugins.testing.sglang_server import SGLangServer
 
 pytestmark = [pytest.mark.sglang, pytest.mark.e2e, pytest.mark.slow]

@@ -107,11 +107,13 @@ def test_core_and_hookimpls_import_without_sglang(monkeypatch) -> None:
             monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "sglang", None)  # import sglang -> ImportError
     for mod in ("core.file_store", "core.page_format", "core.cost_model", "core.fetch_policy", "core.persistence",
-                "core.prefetch_gate", "core.tier_events", "config", "hookimpls"):
+                "core.prefetch_gate", "core.tier_events", "core.tier_state", "core.prefetch_plan", "core.write_path",
+                "config", "hookimpls", "sglang_adapter", "testing"):
         importlib.import_module(f"kllm_plugins.plugins.kv_tiers.{mod}")
     importlib.import_module("kllm_plugins.hardware.cpu.kv_direct_copy")  # the platform's torch ops
-    with pytest.raises(ImportError):
-        importlib.import_module("kllm_plugins.plugins.kv_tiers.sglang_adapter")
+    for mod in ("file_storage", "mooncake_storage"):
+        with pytest.raises(ImportError):  # the backends subclass SGLang's storage classes
+            importlib.import_module(f"kllm_plugins.plugins.kv_tiers.sglang_adapter.{mod}")
 
 
 @pytest.mark.parametrize("page_size", [1, 4])

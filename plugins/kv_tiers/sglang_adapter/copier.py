@@ -106,9 +106,9 @@ def around_backup_from_device_all_layer(original: Callable[..., Any], self: Any,
 
 def _note_backup(host_indices: Any, seconds: float) -> None:
     """L1->L2 write-through volume and time (on the scheduler thread): part of the per-request profile."""
-    from kllm_plugins.plugins.kv_tiers import sglang_adapter
+    from kllm_plugins.plugins.kv_tiers.sglang_adapter import state
 
-    t = sglang_adapter._tiers
+    t = state.current()
     if t is not None:
         t.count("l2_backup_tokens", int(host_indices.numel()))
         t.spent("l2_backup", seconds)

@@ -1,15 +1,17 @@
-"""Layer: SGLang adapter of the kv_tiers plugin (second module of it): the Mooncake L3 backend.
+"""Layer: SGLang adapter of the kv_tiers plugin. The Mooncake L3 backend, `KllmMooncakeStorage`.
 
 `KllmMooncakeStorage` is SGLang's own `MooncakeStore` (zero-copy `batch_*_v1` path, the
 distributed store shared by instances) with the plugin's policies around it, selected with
 
     --hicache-storage-backend dynamic --hicache-storage-backend-extra-config
-      '{"backend_name":"kllm_mooncake","module_path":"kllm_plugins.plugins.kv_tiers.sglang_mooncake",
+      '{"backend_name":"kllm_mooncake","module_path":"kllm_plugins.plugins.kv_tiers.sglang_adapter",
         "class_name":"KllmMooncakeStorage","interface_v1":1, <Mooncake keys: master_server_address, ...>}'
 
 What it adds to the stock backend:
-- selective persistence: only the leading run of pages the `PersistencePolicy` admits is written
-  (a store that recently answered "full" counts as capacity pressure);
+- selective persistence through the write path the file store uses (`core/write_path.py`): only
+  the leading run of pages the `PersistencePolicy` admits is written (a store that recently
+  answered "full" counts as capacity pressure), and pages skipped while the policy is dormant are
+  kept (`dormant_hold_mb`) and written, as K/V objects and a record, once reuse is seen;
 - fetch or recompute: L3 reads are timed and feed the shared cost model, whose break-even length
   the prefetch hook turns into HiCache's prefetch threshold (as for the file store);
 - checked pages: each page gets a small record (`page_format.encode_record`: namespace, key,
@@ -54,7 +56,6 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeStore
 
-from kllm_plugins import metrics
 from kllm_plugins.plugins.kv_tiers.core.bounded_calls import BoundedCalls, StoreSlow
 from kllm_plugins.plugins.kv_tiers.core.file_store import StoreStats
 from kllm_plugins.plugins.kv_tiers.core.page_format import (
@@ -68,7 +69,10 @@ from kllm_plugins.plugins.kv_tiers.core.page_format import (
 )
 from kllm_plugins.plugins.kv_tiers.core.shared_sightings import SharedSightings
 from kllm_plugins.plugins.kv_tiers.core.tier_events import TierEventLog
-from kllm_plugins.plugins.kv_tiers.sglang_adapter import extends_cached_prefix, tiers
+from kllm_plugins.plugins.kv_tiers.core.write_path import write_pages
+from kllm_plugins.plugins.kv_tiers.sglang_adapter.file_storage import extends_cached_prefix
+from kllm_plugins.plugins.kv_tiers.sglang_adapter.mooncake_markers import MooncakeMarkers, count_unshared, m_sightings
+from kllm_plugins.plugins.kv_tiers.sglang_adapter.state import tiers
 
 logger = logging.getLogger("kllm.kv_tiers")
 
@@ -116,6 +120,7 @@ class KllmMooncakeStorage(MooncakeStore):
         self.page_nbytes = 0
         self._errors = 0
         self._full_at = 0.0
+        self._layout: list[tuple[str, int]] | None = None  # see _object_layout
         self._reattach: threading.Thread | None = None
         self._stop = threading.Event()  # set by close() or when this backend is collected
         weakref.finalize(self, self._stop.set)
@@ -125,8 +130,8 @@ class KllmMooncakeStorage(MooncakeStore):
         self.probe_wait_s = float(extra.get("probe_timeout_ms", 50)) / 1e3
         self.sightings: SharedSightings | None = None
         if bool(extra.get("shared_sightings", True)):
-            self.sightings = SharedSightings(_MooncakeMarkers(self), float(extra.get("sightings_timeout_ms", 50)) / 1e3,
-                                             on_unshared=_count_unshared(self.t))
+            self.sightings = SharedSightings(MooncakeMarkers(self), float(extra.get("sightings_timeout_ms", 50)) / 1e3,
+                                             on_unshared=count_unshared(self.t))
             weakref.finalize(self, self.sightings.close)  # its thread must not keep this client alive
         if self.master_address is not None and not master_reachable(self.master_address):
             self._down("down_at_start", f"master {self.master_address} unreachable")
@@ -336,18 +341,18 @@ class KllmMooncakeStorage(MooncakeStore):
         finally:
             self.bounded.observe("read", time.perf_counter() - t0)
         hits = next((i for i, v in enumerate(ok) if not v), len(ok))
-        with self.t._lock:
+        with self.t.lock:
             self.stats.gets += len(keys)
             self.stats.hits += hits
             self.stats.hit_bytes += hits * self.page_nbytes
             self.stats.misses += len(keys) - hits
         if hits:
             self._errors = 0
-            self.t._m_pages.labels("hit").inc(hits)
+            self.t.meter.pages("hit", hits)
             if self.t.fetch is not None:
                 self.t.fetch.observe_transfer("l3", hits * self.page_nbytes, dt)
         if hits < len(keys):
-            self.t._m_pages.labels("miss").inc(len(keys) - hits)
+            self.t.meter.pages("miss", len(keys) - hits)
         return ok
 
     # -- writes ------------------------------------------------------------------------------
@@ -375,71 +380,84 @@ class KllmMooncakeStorage(MooncakeStore):
         if not self.bounded.admit("write"):
             self._skipped("write", StoreSlow("slow", "write"), len(keys))
             return [False] * len(keys)
-        fill = 1.0 if time.monotonic() - self._full_at < _FULL_MEMORY_S else 0.0
-        busy = self.t.write_busy.fraction()
-        shared = self._note_offered(list(keys), fill, busy)
-        adm = self.t.persistence.admit(list(keys), fill, busy)
-        a = adm.admitted
-        skipped = len(keys) - a
-        if skipped:
-            self.t.count("pages_skipped", skipped)
-            self.t._m_pages.labels("skipped").inc(skipped)
-        if a == 0:
-            return [True] * len(keys)  # not written by choice, not a failure
-        page = self.pool.page_size
-        t0 = time.perf_counter()
+        batch = _MooncakeBatch(self, list(keys), host_indices, extra_info)
         try:
-            ok = list(MooncakeStore.batch_set_v1(self, keys[:a], host_indices[: a * page], extra_info))
-            written = next((i for i, v in enumerate(ok) if not v), a)
-            if written and self.verify:
-                crcs = self._page_crcs(host_indices, written)
-                recs = [encode_record(self.namespace_digest, k, n, c) for k, (n, c) in zip(keys[:written], crcs)]
-                rkeys = self._record_keys(keys[:written])
-                # bounded (checks, and records held by the call itself): safe to abandon
-                have = self.bounded.call("write", lambda: self.store.batch_is_exist(rkeys))
-                todo = [(k, r) for k, r, h in zip(rkeys, recs, have) if h != 1]
-                if todo and self.bounded.call("write", lambda: self.store.put_batch(
-                        [k for k, _ in todo], [r for _, r in todo])) != 0:
-                    written = 0  # pages without records are never served; report them unwritten
-                    ok = [False] * a
+            out = write_pages(self.t, _MooncakeWriter(self), list(keys), batch)
         except StoreSlow as exc:  # a check or the records were late: pages without records are never served
             self._skipped("write", exc, len(keys))
             return [False] * len(keys)
         except _Counted:
             return [False] * len(keys)
         except Exception as exc:  # noqa: BLE001
-            self.bounded.observe("write", time.perf_counter() - t0)
-            self._call_failed("write", exc, a)
+            self._call_failed("write", exc, batch.attempted)
             return [False] * len(keys)
-        self.bounded.observe("write", time.perf_counter() - t0)
-        self.t.write_busy.add(time.perf_counter() - t0)
-        if written:
-            self._errors = 0
-            self.t.count("pages_admitted", written)
-            self.t._m_pages.labels("written").inc(written)
-            with self.t._lock:
-                self.stats.puts += written
-                self.stats.put_bytes += written * self.page_nbytes
-            if self.t.events is not None:
-                self.t.events.record("stored", "EXTERNAL", list(keys[:written]))
-            if shared and self.sightings is not None:
-                self.sightings.forget_offered(list(keys[:written]))
-        return ok + [True] * skipped
+        return batch.ok + [True] * out.skipped  # skipped pages: not written by choice, not a failure
 
-    def _note_offered(self, keys: list[str], fill: float, busy: float) -> bool:
-        """Count other instances' sightings of `keys` (and leave this one's for them), as the file
-        backend does; only while a page needs more than one sighting and the policy sees reuse
-        (while dormant a workload without reuse should leave no markers). Whether it did."""
-        p = self.t.persistence
-        if self.sightings is None or p.threshold(fill, busy) <= 1 or p.dormant():
+    def _put_records(self, keys: list[str], crcs: list[tuple[int, int]]) -> bool:
+        """Write the records of pages just written (bounded: checks, and records held by the call
+        itself, are safe to abandon); whether every page has one."""
+        recs = [encode_record(self.namespace_digest, k, n, c) for k, (n, c) in zip(keys, crcs)]
+        rkeys = self._record_keys(keys)
+        have = self.bounded.call("write", lambda: self.store.batch_is_exist(rkeys))
+        todo = [(k, r) for k, r, h in zip(rkeys, recs, have) if h != 1]
+        return not todo or self.bounded.call("write", lambda: self.store.put_batch(
+            [k for k, _ in todo], [r for _, r in todo])) == 0
+
+    def _written(self, keys: list[str], seconds: float) -> None:
+        """Pages (with their records) are in the store: stats, timings and L3 events."""
+        self.bounded.observe("write", seconds)
+        self.t.write_busy.add(seconds)
+        if not keys:
+            return
+        self._errors = 0
+        with self.t.lock:
+            self.stats.puts += len(keys)
+            self.stats.put_bytes += len(keys) * self.page_nbytes
+        if self.t.events is not None:
+            self.t.events.record("stored", "EXTERNAL", list(keys))
+
+    def _object_layout(self, page_indices: torch.Tensor) -> list[tuple[str, int]]:
+        """Suffix and size of each object a page is stored as (K and V, or the MLA latent), learned
+        from the key scheme of `MooncakeStore` on one page of the pool; [] where a page is not a
+        flat list of objects (split heads): pages held while dormant are then dropped."""
+        if self._layout is None:
+            probe = "\x00"
+            key_strs, _, sizes = self._batch_preprocess([probe], page_indices)
+            flat = all(isinstance(n, int) for n in sizes) and all(k.startswith(probe) for k in key_strs)
+            self._layout = [(k[len(probe):], int(n)) for k, n in zip(key_strs, sizes)] if flat else []
+        return self._layout
+
+    def _put_held(self, key: str, data: bytes) -> bool:
+        """Write a page kept in memory while dormant: its objects (as the zero-copy path names and
+        sizes them) and its record."""
+        layout = self._layout or []
+        if not layout or len(data) != sum(n for _, n in layout) or not self.ready or not self.bounded.admit("write"):
             return False
-        fresh = [k for k in keys if not p.counter.count(k)]
-        if fresh:
-            seen = self.sightings.note_offered(fresh)
-            p.note_remote_sightings(fresh, seen)
-            if any(seen):
-                self.t.count("sightings_shared", sum(seen))
-                _m_sightings().labels("seen_elsewhere").inc(sum(seen))
+        tagged = self._tag_keys([key])[0]
+        okeys, parts, at = [], [], 0
+        for suffix, n in layout:
+            okeys.append(tagged + suffix)
+            parts.append(data[at:at + n])
+            at += n
+        t0 = time.perf_counter()
+        try:
+            have = self.bounded.call("write", lambda: self.store.batch_is_exist(okeys))
+            todo = [(k, v) for k, v, h in zip(okeys, parts, have) if h != 1]
+            if todo and self.bounded.call("write", lambda: self.store.put_batch(
+                    [k for k, _ in todo], [v for _, v in todo])) != 0:
+                self._call_failed("write", RuntimeError("held page not written"), 1)
+                return False
+            if self.verify and not self._put_records([key], [crc_of(parts)]):
+                return False
+        except StoreSlow as exc:
+            self._skipped("write", exc, 1)
+            return False
+        except _Counted:
+            return False
+        except Exception as exc:  # noqa: BLE001
+            self._call_failed("write", exc, 1)
+            return False
+        self._written([key], time.perf_counter() - t0)
         return True
 
     def clear(self) -> None:
@@ -468,6 +486,71 @@ class KllmMooncakeStorage(MooncakeStore):
         return MooncakeStore.get_stats(self) if self.ready else None
 
 
+class _MooncakeWriter:
+    """The Mooncake store's side of the shared write path (`core/write_path.L3Writer`)."""
+
+    def __init__(self, backend: KllmMooncakeStorage) -> None:
+        self.backend = backend
+
+    def fill(self) -> float:
+        # Mooncake tells no fill: a store that recently answered "full" counts as full
+        return 1.0 if time.monotonic() - self.backend._full_at < _FULL_MEMORY_S else 0.0
+
+    def note_offered(self, keys: list[str]) -> list[bool] | None:
+        b = self.backend
+        if b.sightings is None:
+            return None
+        seen = b.sightings.note_offered(keys)
+        if any(seen):
+            b.t.count("sightings_shared", sum(seen))
+            m_sightings().labels("seen_elsewhere").inc(sum(seen))
+        return seen
+
+    def forget_offered(self, keys: list[str]) -> None:
+        if self.backend.sightings is not None:
+            self.backend.sightings.forget_offered(list(keys))
+
+    def put_held(self, key: str, data: bytes) -> bool:
+        return self.backend._put_held(key, data)
+
+
+class _MooncakeBatch:
+    """One `batch_set_v1` call's pages in the host pool (`core/write_path.PageBatch`)."""
+
+    def __init__(self, backend: KllmMooncakeStorage, keys: list[str], host_indices: torch.Tensor,
+                 extra_info: Any) -> None:
+        self.backend, self.keys, self.host_indices, self.extra_info = backend, keys, host_indices, extra_info
+        self.ok: list[bool] = []  # the admitted pages' results
+        self.attempted = 0
+
+    def write(self, n: int) -> int:
+        b, page = self.backend, self.backend.pool.page_size
+        self.attempted = n
+        t0 = time.perf_counter()
+        try:
+            ok = list(MooncakeStore.batch_set_v1(b, self.keys[:n], self.host_indices[: n * page], self.extra_info))
+            written = next((i for i, v in enumerate(ok) if not v), n)
+            if written and b.verify and not b._put_records(self.keys[:written], b._page_crcs(self.host_indices, written)):
+                written = 0  # pages without records are never served; report them unwritten
+                ok = [False] * n
+        except (StoreSlow, _Counted):
+            raise
+        except Exception:
+            b.bounded.observe("write", time.perf_counter() - t0)
+            raise
+        self.ok = ok
+        b._written(self.keys[:written], time.perf_counter() - t0)
+        return written
+
+    def copy(self, i: int) -> bytes | None:
+        b, page = self.backend, self.backend.pool.page_size
+        indices = self.host_indices[i * page:(i + 1) * page]
+        if not b._object_layout(indices):
+            return None
+        ptrs, sizes = b.pool.get_page_buffer_meta(indices)
+        return b"".join(ctypes.string_at(int(p), int(n)) for p, n in zip(ptrs, sizes))
+
+
 def _reattach_loop(ref: "weakref.ref[KllmMooncakeStorage]", stop: threading.Event, every_s: float) -> None:
     """Re-attach the backend behind `ref` once its master answers; ends when it is attached,
     closed or collected."""
@@ -488,48 +571,3 @@ def _weak_probe(backend: KllmMooncakeStorage) -> Callable[[str], bool]:
         return b is not None and b.probe(key)
 
     return probe
-
-
-def _m_sightings() -> Any:
-    return metrics.counter("kllm_kv_tiers_shared_sightings_total",
-                           "L3 offer-marker sightings: seen on another instance, or not shared (by reason)",
-                           ("outcome",))
-
-
-def _count_unshared(t: Any) -> Callable[[str, int], None]:
-    def count(reason: str, n: int) -> None:
-        t.count("sightings_unshared", n)
-        _m_sightings().labels(reason).inc(n)
-
-    return count
-
-
-class _MooncakeMarkers:
-    """Offer markers as one-byte objects next to the pages (`SharedSightings`' store calls);
-    keyed like the page records, with the namespace digest, so other layouts do not count."""
-
-    _VALUE = b"\x01"
-
-    def __init__(self, backend: KllmMooncakeStorage) -> None:
-        self._backend = weakref.ref(backend)
-
-    @property
-    def backend(self) -> KllmMooncakeStorage:
-        b = self._backend()
-        if b is None or not b.ready:
-            raise RuntimeError("store not attached")
-        return b
-
-    def _keys(self, keys: list[str]) -> list[str]:
-        b = self.backend
-        ns = b.namespace_digest[:4].hex()
-        return [f"{k}_{b.mha_suffix}_kllm_seen_{ns}" for k in b._tag_keys(keys)]
-
-    def exists(self, keys: list[str]) -> list[int]:
-        return list(self.backend.store.batch_is_exist(self._keys(keys)))
-
-    def mark(self, keys: list[str]) -> bool:
-        return self.backend.store.put_batch(self._keys(keys), [self._VALUE] * len(keys)) == 0
-
-    def unmark(self, keys: list[str]) -> None:
-        self.backend.store.batch_remove(self._keys(keys), True)  # force: a marker just checked holds a lease

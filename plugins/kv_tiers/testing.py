@@ -1,6 +1,8 @@
-"""Layer: test tooling for the kv_tiers plugin (no SGLang import): a Mooncake master started and
-stopped by the caller, HiCache flags for each L3 backend, and a cache flush that waits out
-in-flight storage operations. Used by tests/sglang/test_kv_tiers_* and benchmarks/kv_tiers/."""
+"""Layer: test tooling of the kv_tiers plugin (no SGLang import at module level; never on the
+server path): a Mooncake master started and stopped by the caller, HiCache flags for each L3
+backend, a cache flush that waits out in-flight storage operations, and polling of the plugin's
+`/kllm/stats` snapshot. Used by tests/sglang/test_kv_tiers_* (and other e2e tests that start a
+kv_tiers server) and benchmarks/kv_tiers/."""
 from __future__ import annotations
 
 import json
@@ -20,8 +22,8 @@ from typing import Any, Callable, Iterator
 
 from kllm_plugins.testing.sglang_server import free_port
 
-FILE_ADAPTER = "kllm_plugins.plugins.kv_tiers.sglang_adapter"
-MOONCAKE_ADAPTER = "kllm_plugins.plugins.kv_tiers.sglang_mooncake"
+ADAPTER = "kllm_plugins.plugins.kv_tiers.sglang_adapter"  # module_path of both backends
+FILE_ADAPTER = MOONCAKE_ADAPTER = ADAPTER
 # an explicit --hicache-ratio: SGLang's automatic host sizing refuses to start when the shared
 # machine has less than 10 GiB free, though the tiny model needs a few MiB
 HICACHE_ARGS = ["--enable-hierarchical-cache", "--hicache-io-backend", "direct", "--hicache-write-policy",
