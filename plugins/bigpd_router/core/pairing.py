@@ -26,6 +26,11 @@ KV_PENALTY = 1.0
 REMOTE_TRANSFER_COST = 0.05
 TIE_EPS = 0.02
 """Scores (in units of the SLO target) closer than this count as equal."""
+MIN_RATE_SAMPLES = 3
+"""Below this many measurements an instance's prefill rate is not judged on its own: it gets the
+better of its own and its peers' median. A rate only changes when the instance serves, so one slow
+first request (a cold cache, a loaded host) would otherwise keep a new instance from ever being
+picked again while its peers have room."""
 
 
 class NoInstance(RuntimeError):
@@ -79,11 +84,20 @@ class Picker:
 
     @staticmethod
     def _rates(cands: Sequence[Instance]) -> dict[str, float]:
-        """Measured prefill rates; an instance not measured yet borrows the median of its peers."""
-        measured = sorted(c.prefill_rate.value for c in cands if c.prefill_rate.samples)
+        """Measured prefill rates. An instance not measured yet borrows the median of its peers (of
+        those measured MIN_RATE_SAMPLES times, if any); one measured fewer times gets the better of
+        its own rate and that median."""
+        trusted = sorted(c.prefill_rate.value for c in cands if c.prefill_rate.samples >= MIN_RATE_SAMPLES)
+        measured = trusted or sorted(c.prefill_rate.value for c in cands if c.prefill_rate.samples)
         fallback = measured[len(measured) // 2] if measured else None
-        return {c.url: (c.prefill_rate.value if c.prefill_rate.samples or fallback is None else fallback)
-                for c in cands}
+        out: dict[str, float] = {}
+        for c in cands:
+            own = c.prefill_rate
+            if fallback is None or own.samples >= MIN_RATE_SAMPLES:
+                out[c.url] = own.value
+            else:
+                out[c.url] = max(own.value, fallback) if own.samples else fallback
+        return out
 
     def pick_prefill(self, cands: Sequence[Instance], prompt: Prompt, prompt_tokens: int,
                      exclude: frozenset[str] = frozenset(),

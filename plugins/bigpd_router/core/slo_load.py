@@ -106,6 +106,17 @@ def observe_tpot(inst: Instance, tpot_s: float, batch: int) -> None:
     inst.tpot.update(tpot_s / batch_factor(batch))
 
 
+def measured_tpot(inst: Instance, peers: Iterable[Instance]) -> float | None:
+    """TPOT of `inst` at its current batch from measurements: its own, else the median of its
+    peers' (an instance that has only answered whole responses has none); None when nobody has one."""
+    if inst.tpot.samples:
+        return tpot_pred(inst, extra=0)
+    known = sorted(p.tpot.value for p in peers if p.tpot.samples)
+    if not known:
+        return None
+    return known[len(known) // 2] * batch_factor(decode_batch(inst))
+
+
 @dataclass(frozen=True)
 class PoolLoad:
     pred: float

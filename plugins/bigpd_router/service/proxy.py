@@ -31,7 +31,7 @@ from kllm_plugins.plugins.bigpd_router.core.pairing import NoInstance
 from kllm_plugins.plugins.bigpd_router.core.poison import PoisonLedger, fingerprint
 from kllm_plugins.plugins.bigpd_router.core.registry import Instance, Role
 from kllm_plugins.plugins.bigpd_router.core.request_shape import BadRequest, RequestShape, loads, parse
-from kllm_plugins.plugins.bigpd_router.core.slo_load import backlog_tokens
+from kllm_plugins.plugins.bigpd_router.core.slo_load import backlog_tokens, measured_tpot
 from kllm_plugins.plugins.bigpd_router.service.front_server import Exchange, dumps
 from kllm_plugins.plugins.bigpd_router.service.http_wire import BadHttp
 from kllm_plugins.plugins.bigpd_router.service.upstream import PATHS, BeforeFirstToken, Ticket
@@ -345,12 +345,16 @@ class Proxy:
                 _, completion = r.observe_usage(shape, loads(data))
             except ValueError:
                 pass
-            # the TTFT of a non-streamed answer is not visible: infer it from the decode rate
+            # the TTFT of a non-streamed answer is not visible: infer it from a TPOT measured on
+            # streams (the instance's, else its peers'); the prefill rate learns from it only then,
+            # and the TPOT never does (it would learn back the value it was inferred with)
             now = time.monotonic()
             n = completion or 1
-            ttft = ticket.first_token(at=now - (n - 1) * ticket.inst.tpot.value)
+            ref = measured_tpot(ticket.inst, r.registry.pool(ticket.inst.role))
+            at = now - (n - 1) * (ref if ref is not None else ticket.inst.tpot.value)
+            ttft = ticket.first_token(at=at, learn=ref is not None)
             ticket.t_last, ticket.events = now, 0
-            ticket.finish(tokens=n)
+            ticket.finish()
             r.ttft_actual[Role.PREFILL if prefill else Role.PLAIN].add(ttft)
             r.metrics.ttft.observe(ttft)
         ex.reply(resp.status, data, resp.content_type, (("X-Request-Id", rid), ("X-Kllm-Instance", ticket.inst.url)))

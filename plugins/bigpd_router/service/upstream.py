@@ -88,14 +88,15 @@ class Ticket:
         self.inst.in_flight += 1
         self.inst.pending_prefill_tokens += self.prompt_tokens
 
-    def first_token(self, at: float | None = None) -> float:
-        """Mark the first token (now, or at `at` when it is only inferred); returns the TTFT."""
+    def first_token(self, at: float | None = None, learn: bool = True) -> float:
+        """Mark the first token (now, or at `at` when it is only inferred); returns the TTFT. The
+        instance's prefill rate learns from it unless `learn` is False (a guess not worth learning)."""
         if self.t_first is None:
             self.t_first = time.monotonic() if at is None else max(self.t0, at)
             self.inst.pending_prefill_tokens -= self.prompt_tokens
             self.inst.decoding += 1
             ttft = self.t_first - self.t0
-            if ttft > 0:
+            if ttft > 0 and learn:
                 self.inst.prefill_rate.update((self.backlog_at_dispatch + self.prompt_tokens) / ttft)
         return self.t_first - self.t0
 
