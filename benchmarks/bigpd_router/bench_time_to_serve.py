@@ -29,7 +29,6 @@ import asyncio
 import dataclasses
 import json
 import os
-import platform
 import re
 import statistics
 import subprocess
@@ -51,7 +50,8 @@ from kllm_plugins.plugins.bigpd_router.core.registry import Health, Role
 from kllm_plugins.plugins.bigpd_router.core.standby_pool import StandbyPolicy, StandbyPool
 from kllm_plugins.plugins.bigpd_router.service.router import Router
 
-RESULTS = "benchmarks/results/bigpd_router_time_to_serve.json"
+RESULT_NAME = "time_to_serve"
+"""benchmarks/results/bigpd_router/time_to_serve.json"""
 ARGS = ["--max-total-tokens", "4096", "--sleep-on-idle"]
 MILESTONES = [
     ("first_log", re.compile(r"^\[\d{4}-\d\d-\d\d ")),
@@ -68,6 +68,7 @@ PHASES = [("decision_to_spawn", "decision", "spawn"), ("imports", "spawn", "firs
           ("http_server", "pools_end", "http_up"), ("warm_up", "http_up", "ready"),
           ("router_registers", "ready", "routable"), ("first_request", "request_sent", "served")]
 STANDBY_PHASES = [("promote_and_register", "decision", "routable"), ("first_request", "request_sent", "served")]
+SHARED = "shared 2-core, several helpers running tests and servers: timings are noisy, load averages per start"
 BODY = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
 
 
@@ -265,7 +266,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", nargs="+", default=["tiny", "smollm2"], choices=["tiny", "smollm2"])
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--paths", nargs="+", default=["cold", "warm", "standby"], choices=["cold", "warm", "standby"])
+    ap.add_argument("--paths", nargs="*", default=["cold", "warm", "standby"], choices=["cold", "warm", "standby"],
+                    help="none: only the probes")
     ap.add_argument("--probes", nargs="*", default=["release", "remote_instance"],
                     choices=["release", "remote_instance"])
     ap.add_argument("--timeout-s", type=float, default=600)
@@ -316,24 +318,48 @@ def main() -> None:
                 print(f"  {h} / cold (medians): {ratio:.3f}x")
     if args.no_record:
         return
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    data = {"command": " ".join(["python", *sys.argv]), "commit": commit, "date_utc": time.strftime(
-        "%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start)), "simulated": False,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "shared": "2-core machine shared with five other sessions running tests and servers: timings "
-                              "are noisy; load averages recorded per start"},
-        "router": {"health_interval_s": 0.5, "scale_interval_s": 0.25},
-        "paths": args.paths, "summary": summary, "starts": rows, "probes": probes}
-    old: dict[str, Any] = {}
-    if os.path.exists(RESULTS):
-        with open(RESULTS, encoding="utf-8") as fh:
-            old = json.load(fh)
-    # a run replaces earlier runs of the same models and paths; other runs stay
-    runs = [r for r in old.get("runs", []) if not (set(r.get("summary", {})) <= set(args.models)
-                                                   and set(r.get("paths", [])) <= set(args.paths))]
-    with open(RESULTS, "w", encoding="utf-8") as fh:
-        json.dump({"runs": [*runs, data]}, fh, indent=1)
-    print(f"\nrecorded {RESULTS}")
+    record_run(args, summary, rows, probes, t_start)
+
+
+def record_run(args: argparse.Namespace, summary: dict[str, Any], rows: list[dict[str, Any]],
+               probes: list[dict[str, Any]], t_start: float) -> None:
+    """One summary for every model and path: this run replaces the (model, path) cells and the
+    (model, probe) entries it measured; the others stay, each with the run that measured it."""
+    from kllm_plugins.bench.record import build_summary, git_commit, result_path, write_summary
+
+    path = result_path("bigpd_router", RESULT_NAME)
+    old: dict[str, Any] = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+    command = " ".join(["python", *sys.argv])
+    run = {"command": command, "commit": git_commit(),
+           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start))}
+    metrics: dict[str, Any] = dict(old.get("metrics") or {})
+    for earlier in old.pop("runs", []):  # the layout before results/<plugin>/<name>.json: one entry per run
+        erun = {"command": earlier.get("command"), "commit": earlier.get("commit"), "date": earlier.get("date_utc")}
+        for model, cells in (earlier.get("summary") or {}).items():
+            for how, cell in cells.items():
+                metrics.setdefault(model, {})[how] = {**cell, "run": erun}
+        old.setdefault("starts", []).extend({**r, "run": erun} for r in earlier.get("starts", []))
+    for model, cells in summary.items():
+        for how, cell in cells.items():
+            metrics.setdefault(model, {})[how] = {**cell, "run": run}
+    keep_rows = [r for r in old.get("starts", []) if (r.get("model"), r.get("path")) not in
+                 {(r2["model"], r2["path"]) for r2 in rows}]
+    keep_probes = [p for p in old.get("probes", []) if (p.get("model"), p.get("probe")) not in
+                   {(p2["model"], p2["probe"]) for p2 in probes}]
+    for p in probes:
+        p["run"] = run
+    for r in rows:
+        r["run"] = run
+    data = build_summary(
+        command, metrics, shared=SHARED,
+        notes="Real SGLang 0.5.23 servers on the kllm CPU platform behind kllm-router; seconds from the "
+              "scale-up decision to the first request served through the router, median (min-max) over "
+              "interleaved repeats. Each cell names the run that measured it (metrics.<model>.<path>.run). "
+              "GPU figures: not measured here (no device time for this benchmark).",
+        simulated=False, router={"health_interval_s": 0.5, "scale_interval_s": 0.25},
+        starts=[*keep_rows, *rows], probes=[*keep_probes, *probes])
+    write_summary(path, data)
+    print(f"\nrecorded {path}")
 
 
 if __name__ == "__main__":
