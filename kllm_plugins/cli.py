@@ -1,4 +1,4 @@
-"""Layer: host tooling. The `kllm-plugins` command: `list`, `doctor`, `demo`, `build-model`.
+"""Layer: host tooling. The `kllm-plugins` command: `list`, `doctor`, `patches`, `docs`, `results`, `demo`, `build-model`.
 
 `doctor` imports SGLang (to resolve every patched target); `list` does not.
 """
@@ -114,6 +114,21 @@ def cmd_docs(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_results(args: argparse.Namespace) -> int:
+    from kllm_plugins.bench import results_md
+
+    if args.check:
+        if results_md.is_current():
+            return 0
+        print("stale: benchmarks/RESULTS.md (run `kllm-plugins results --write`)")
+        return 1
+    if args.write:
+        print(f"updated: {results_md.write()}")
+        return 0
+    print(results_md.render(), end="")
+    return 0
+
+
 def cmd_build_model(args: argparse.Namespace) -> int:
     if args.model == "tiny":
         from kllm_plugins.models.tiny_llama import tiny_llama_path as build
@@ -139,6 +154,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     dc.add_argument("--docs-dir", default="docs")
     dc.add_argument("--check", action="store_true", help="only report stale pages (exit 1 if any)")
     dc.set_defaults(fn=cmd_docs)
+    rs = sub.add_parser("results", help="print benchmarks/RESULTS.md generated from benchmarks/results/<plugin>/*.json")
+    rs.add_argument("--write", action="store_true", help="rewrite benchmarks/RESULTS.md")
+    rs.add_argument("--check", action="store_true", help="only report whether it is stale (exit 1 if so)")
+    rs.set_defaults(fn=cmd_results)
     b = sub.add_parser("build-model", help="build (once) and print the path of an offline model")
     b.add_argument("model", choices=["tiny", "smollm2"])
     b.set_defaults(fn=cmd_build_model)

@@ -51,7 +51,8 @@ def merge(names: list[str], root: Path | None = None) -> dict:
         for r in kept:
             row = {"hit_rate": r["hit_rate"]["total"], "repeats": r.get("repeats", 1), "source": name}
             row.update({out: _figure(r, key) for out, key in FIGURES})
-            traces.setdefault(r["trace"], {})[r["setup"]] = row
+            row["trace"] = r["trace"]
+            traces.setdefault(f"{name}.{r['trace'].split()[0]}", {})[r["setup"]] = row
     for setups in traces.values():
         for base in ("l1_only", "hicache"):
             if base not in setups or "kv_tiers" not in setups:

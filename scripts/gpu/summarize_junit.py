@@ -54,7 +54,7 @@ def main(xml_path: str, suite: str, out_path: str) -> int:
                "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()), "complete": complete,
                "machine": {"gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
                            "torch": torch.__version__},
-               "command": f"bash scripts/gpu/run_suite.sh {suite}", "counts": counts, "tests": tests}
+               "command": f"bash scripts/gpu/run_suite.sh {suite}", "metrics": counts, "counts": counts, "tests": tests}
     with open(out_path, "w") as f:
         json.dump(summary, f, indent=1)
     print(f"{suite}: {counts}")
