@@ -11,6 +11,7 @@ import time
 import urllib.request
 from typing import Any
 
+from kllm_plugins.bench import schedule
 from trace_gen import tokens_for
 
 
@@ -43,14 +44,7 @@ def arrivals(n: int, rate: float, seed: int, scaled: bool = False) -> list[float
     setup (seeded by the rate and the seed). `scaled`: one unit-rate schedule per seed, divided by the
     rate, so every step of a rate ladder replays the same arrival pattern faster (the TTFT percentile
     then rises with the rate instead of also moving with each step's own draw)."""
-    if scaled:
-        return [t / rate for t in arrivals(n, 1.0, seed)]
-    rng = random.Random(seed * 1_000_003 + int(rate * 1000))
-    t, out = 0.0, []
-    for _ in range(n):
-        out.append(t)
-        t += rng.expovariate(rate)
-    return out
+    return schedule.poisson(n, rate, seed, scaled)
 
 
 def _one(base_url: str, r: dict[str, Any], offset: int, sidx: int) -> dict[str, Any]:

@@ -40,6 +40,20 @@ def _fill_ports(template: str) -> str:
     return out
 
 
+def flush_cache(base_url: str, timeout_s: float = 60.0, retry_s: float = 0.5) -> None:
+    """SGLang's /flush_cache (L1 and L2); it answers 400 while requests or storage operations are
+    in flight, so retry every `retry_s` until `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"{base_url}/flush_cache", data=b"", timeout=60):
+                return
+        except urllib.error.HTTPError as exc:
+            if exc.code != 400 or time.monotonic() > deadline:
+                raise
+            time.sleep(retry_s)
+
+
 class ServerStartError(RuntimeError):
     pass
 

@@ -20,7 +20,7 @@ import urllib.request
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
-from kllm_plugins.testing.sglang_server import free_port
+from kllm_plugins.testing.sglang_server import flush_cache, free_port
 
 ADAPTER = "kllm_plugins.plugins.kv_tiers.sglang_adapter"  # module_path of both backends
 FILE_ADAPTER = MOONCAKE_ADAPTER = ADAPTER
@@ -115,16 +115,8 @@ def l3_args(backend: str, master: dict[str, Any] | None = None, **extra: Any) ->
 
 
 def flush(base_url: str, timeout_s: float = 60.0) -> None:
-    """Flush L1 and L2 of a server; SGLang answers 400 while storage operations are in flight."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            with urllib.request.urlopen(f"{base_url}/flush_cache", data=b"", timeout=60):
-                return
-        except urllib.error.HTTPError as exc:
-            if exc.code != 400 or time.monotonic() > deadline:
-                raise
-            time.sleep(1.0)
+    """Flush L1 and L2 of a server (retrying while storage operations are in flight)."""
+    flush_cache(base_url, timeout_s, retry_s=1.0)
 
 
 def kv_tiers_stats(server: Any) -> dict[str, Any]:

@@ -8,24 +8,10 @@ method. Assertion errors are the kit's own.
 """
 from __future__ import annotations
 
-import time
 import unittest
-import urllib.error
-import urllib.request
 from typing import Any
 
-
-def flush_cache(base_url: str, timeout_s: float = 60.0) -> None:
-    """SGLang's /flush_cache; it answers 400 while requests or storage operations are in flight."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            with urllib.request.urlopen(f"{base_url}/flush_cache", data=b"", timeout=60):
-                return
-        except urllib.error.HTTPError as exc:
-            if exc.code != 400 or time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
+from kllm_plugins.testing.sglang_server import flush_cache
 
 
 def kit_case(kit: type, method: str, base_url: str, process: Any, flush_url: str | None = None,
