@@ -200,7 +200,9 @@ class FakeBackend:
     @staticmethod
     def _chunk(path: str, i: int, n: int, meta: dict[str, Any]) -> dict[str, Any]:
         if path == "/generate":
-            return {"text": " tok" * (i + 1), "output_ids": list(range(i + 1)), "meta_info": meta}
+            # like SGLang: cumulative text, completion_tokens so far (bench_serving derives ITL from it)
+            return {"text": " tok" * (i + 1), "output_ids": list(range(i + 1)),
+                    "meta_info": dict(meta, completion_tokens=i + 1)}
         if path == "/v1/completions":
             return {"id": meta["id"], "object": "text_completion", "model": "fake",
                     "choices": [{"index": 0, "text": " tok", "finish_reason": "length" if i == n - 1 else None}]}
