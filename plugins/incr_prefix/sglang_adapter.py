@@ -53,6 +53,15 @@ from kllm_plugins.plugins.incr_prefix.core.walk_state import (
 logger = logging.getLogger("kllm.incr_prefix")
 
 BACKEND_NAME = "kllm_incremental"
+# UnifiedTreeCore methods the tail path calls or stands in for (begin_insert: it builds the walk
+# state itself; _touch_node/_inc_hit_count_and_check: the prefix touch it reproduces)
+_TAIL_PATH_CORE_METHODS = (
+    "begin_insert", "_advance_insert", "resume_insert", "end_insert", "has_ongoing_insert",
+    "_insert_walk_step", "_insert_overlap_step", "_finish_insert_walk_node", "_insert_commit_step",
+    "_insert_tail_step", "_split_node", "_touch_node", "_inc_hit_count_and_check",
+    "_build_backup_kv_action", "_update_evictable_leaf_sets", "match_prefix",
+    "collect_full_device_indices", "node_by_id", "inc_lock_ref", "dec_lock_ref",
+)
 _REQ_ATTR = "_kllm_incr_state"
 
 
@@ -79,8 +88,15 @@ class IncrementalUnifiedRadixCache(UnifiedRadixCache):
         """Features fixed at construction that the tail path does not reproduce ('' if none)."""
         if self.disable:
             return "cache disabled"
-        if type(self.tree_core) is not UnifiedTreeCore and not self._kllm_rust:
-            return f"TreeCore {type(self.tree_core).__name__} is not supported"
+        if not self._kllm_rust:
+            core_cls = type(self.tree_core)
+            if not isinstance(self.tree_core, UnifiedTreeCore):
+                return f"TreeCore {core_cls.__name__} is not supported"
+            # a subclass that only adds methods (SGLang's test-kit inspector) walks as the Python
+            # core; one that overrides a method the tail path drives or reproduces does not
+            changed = [m for m in _TAIL_PATH_CORE_METHODS if getattr(core_cls, m) is not getattr(UnifiedTreeCore, m)]
+            if changed:
+                return f"TreeCore {core_cls.__name__} overrides {', '.join(changed)}"
         comps = self._components_tuple
         if len(comps) != 1 or comps[0].component_type != BASE_COMPONENT_TYPE:
             return "auxiliary components (SWA/Mamba)"

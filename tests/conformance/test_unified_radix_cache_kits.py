@@ -9,13 +9,10 @@ plugin, for every full-attention `CacheConfig` of the kit, the scheduler's chunk
 trees are compared node by node, through the kit's accessors and the plugin's snapshot.
 
 What each part needs, as found:
-- The plugin's cache refuses the kit's Python inspector (`UnifiedTreeCoreInspector`, a subclass of
-  SGLang's `UnifiedTreeCore` that only adds read accessors): its check is
-  `type(self.tree_core) is not UnifiedTreeCore` (plugins/incr_prefix/sglang_adapter.py
-  `_static_unsupported`), so with the kit as is the tail path is never exercised.
-  `test_plugin_accepts_the_kits_inspector` is an expected failure naming that;
-  `InspectedIncrementalCache` below accepts the inspector (it overrides no walk method) so the
-  comparison exercises the plugin's own path.
+- The kit's Python inspector (`UnifiedTreeCoreInspector`) is a subclass of SGLang's
+  `UnifiedTreeCore` that only adds read accessors: the plugin's cache takes it as the Python core
+  (it refuses a subclass that overrides a method its tail path drives or reproduces), so the
+  kit's fixtures exercise the plugin's own path.
 - The Rust TreeCore: the kit's `RustUnifiedTreeCoreInspector` loads inspection bindings
   (`load_tree_core_extension(inspection=True)`) built from SGLang's Rust workspace, which the wheel
   does not ship: it fails on stock as well (expected failure, strict).
@@ -34,7 +31,6 @@ pytestmark = [pytest.mark.sglang]
 
 fixtures = pytest.importorskip("sglang.test.kits.unified_radix_cache.fixtures")
 from sglang.srt.mem_cache.unified_cache.components.base import ComponentType  # noqa: E402
-from sglang.srt.mem_cache.unified_cache.unified_tree_core import UnifiedTreeCore  # noqa: E402
 from sglang.test.kits.unified_radix_cache.config import CONFIGS  # noqa: E402
 from sglang.test.kits.unified_radix_cache.unified_tree_core_inspector import UnifiedTreeCoreInspector  # noqa: E402
 
@@ -42,21 +38,6 @@ from kllm_plugins.plugins.incr_prefix.sglang_adapter import IncrementalUnifiedRa
 from kllm_plugins.plugins.incr_prefix.sglang_testing import CacheDriver, tree_snapshot  # noqa: E402
 
 FULL = [c for c in CONFIGS if c.components == (ComponentType.FULL,)]
-
-
-class InspectedIncrementalCache(IncrementalUnifiedRadixCache):
-    """The plugin's cache, taking the kit's inspector for what it is: SGLang's Python TreeCore
-    with read accessors (it overrides no insert or match method)."""
-
-    def _static_unsupported(self) -> str:
-        core = self.tree_core
-        if type(core) is not UnifiedTreeCoreInspector:
-            return super()._static_unsupported()
-        core.__class__ = UnifiedTreeCore  # only for the type check, restored at once
-        try:
-            return super()._static_unsupported()
-        finally:
-            core.__class__ = UnifiedTreeCoreInspector
 
 
 def _build(cfg: Any, cache_class: type | None, backend: str = "python") -> tuple[Any, Any, Any]:
@@ -106,18 +87,29 @@ def _kit_view(cache: Any) -> list[tuple[tuple[int, ...], int]]:
 
 def test_plugin_accepts_the_kits_inspector() -> None:
     cache, _, _ = _build(FULL[0], IncrementalUnifiedRadixCache)
-    if cache._kllm_unsupported:
-        pytest.xfail("incr_prefix refuses the kit's UnifiedTreeCoreInspector (a UnifiedTreeCore subclass): "
-                     "sglang_adapter.py _static_unsupported checks `type(self.tree_core) is not "
-                     f"UnifiedTreeCore` -> {cache._kllm_unsupported!r}")
+    assert isinstance(cache.tree_core, UnifiedTreeCoreInspector)
     assert cache._kllm_unsupported == ""
+
+
+def test_plugin_refuses_a_core_that_overrides_its_walk() -> None:
+    """The inspector is taken because it only adds accessors: a core subclass that changes a
+    method the tail path stands in for keeps the stock path."""
+
+    class TouchingCore(UnifiedTreeCoreInspector):
+        def _touch_node(self, node: Any) -> None:
+            super()._touch_node(node)
+
+    with mock.patch.object(fixtures, "UnifiedTreeCoreInspector", TouchingCore):
+        cache, _, _ = _build(FULL[0], IncrementalUnifiedRadixCache)
+    assert type(cache.tree_core) is TouchingCore
+    assert cache._kllm_unsupported == "TreeCore TouchingCore overrides _touch_node"
 
 
 @pytest.mark.parametrize("cfg", FULL, ids=[c.label for c in FULL])
 def test_incremental_tree_equals_stock_on_python_treecore(cfg: Any) -> None:
     work = _workload(cfg)
     stock = _build(cfg, None)
-    ours = _build(cfg, InspectedIncrementalCache)
+    ours = _build(cfg, IncrementalUnifiedRadixCache)
     assert ours[0]._kllm_unsupported == ""
     stock_hits = _drive(*stock, work)
     our_hits = _drive(*ours, work)
