@@ -80,10 +80,16 @@ def main() -> None:
     ap.add_argument("--bs-prompts", type=int, default=40)
     ap.add_argument("--bs-input-len", type=int, default=128)
     ap.add_argument("--bs-output-len", type=int, default=64)
+    ap.add_argument("--bs-concurrency", type=int, default=4)
+    ap.add_argument("--bs-backend", choices=["fake", "sglang"], default="sglang",
+                    help="behind the router: the fake backend (router cost only) or a real SGLang server")
+    ap.add_argument("--bs-fake-ttft-s", type=float, default=0.02)
+    ap.add_argument("--bs-fake-tpot-s", type=float, default=0.01)
     args = ap.parse_args()
     if args.bench_serving:
-        return bench_serving_overhead(args.bench_serving, args.rounds, args.bs_prompts, args.bs_input_len,
-                                      args.bs_output_len, not args.no_record)
+        return bench_serving_overhead(args.bench_serving, args.bs_backend, args.rounds, args.bs_prompts,
+                                      args.bs_input_len, args.bs_output_len, args.bs_concurrency,
+                                      args.bs_fake_ttft_s, args.bs_fake_tpot_s, not args.no_record)
     load_before = os.getloadavg()
     tmp = tempfile.mkdtemp(prefix="kllm-bench-")
     procs = []
@@ -198,62 +204,159 @@ def main() -> None:
                  f"medians; added P50/P99 over direct; load average before/after {load_before[0]:.2f}/{load_after[0]:.2f} | {summary}; max closed-loop req/s: {maxes} | `{command}` |\n")
 
 
-def bench_serving_overhead(model_path: str, rounds: int, num_prompts: int, input_len: int, output_len: int,
-                           record: bool) -> None:
-    """`sglang.bench_serving` against one real SGLang server, directly and through kllm-router,
-    interleaved (direct, router; then router, direct; ...). Added median TTFT, and added cost per
-    output token from the median E2E: (E2E_router - E2E_direct - (TTFT_router - TTFT_direct)) / (out - 1)."""
-    from kllm_plugins.testing.sglang_server import SGLangServer
+def _bench_serving_once(url: str, model_path: str, num_prompts: int, input_len: int, output_len: int,
+                        concurrency: int, seed: int, out: str) -> dict[str, Any]:
+    """One `sglang.bench_serving` run (its own `cli_main`, called in this process so the module is
+    imported once for all rounds); returns its result line."""
+    import contextlib
+    import io
 
+    from sglang.benchmark import serving
+
+    argv = ["sglang.bench_serving", "--backend", "sglang", "--base-url", url, "--model", model_path,
+            "--tokenizer", model_path, "--dataset-name", "random-ids", "--num-prompts", str(num_prompts),
+            "--random-input-len", str(input_len), "--random-output-len", str(output_len),
+            "--random-range-ratio", "1.0", "--max-concurrency", str(concurrency), "--seed", str(seed),
+            "--disable-tqdm", "--output-file", out]
+    saved = sys.argv
+    sys.argv = argv
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            serving.cli_main()
+    finally:
+        sys.argv = saved
+    with open(out, encoding="utf-8") as fh:
+        return json.loads(fh.read().strip().splitlines()[-1])
+
+
+BS_KEYS = ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "median_tpot_ms", "median_e2e_latency_ms")
+
+
+def bench_serving_overhead(model_path: str, backend: str, rounds: int, num_prompts: int, input_len: int,
+                           output_len: int, concurrency: int, ttft_s: float, tpot_s: float, record: bool) -> None:
+    """`sglang.bench_serving` directly against one backend and through kllm-router to it, interleaved
+    (direct, router; then router, direct; ...), the same prompts (seed) for both in a round. The
+    backend is the fake one (`fake`: paced tokens, no model, so only the router's cost differs) or a
+    real SGLang server on the CPU platform (`sglang`). Added figures per round are router minus
+    direct of that round's medians; the cost per output token is the added median TPOT, cross-checked
+    against (added E2E - added TTFT) / (output_len - 1). Router CPU per relayed token is the router
+    process's CPU time during its own rounds over the tokens it relayed."""
+    from kllm_plugins.bench.record import machine_description, record as write_record
+    from kllm_plugins.bench.stats import ratio_of_medians, spread
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     tmp = tempfile.mkdtemp(prefix="kllm-bs-")
-    server = SGLangServer(model_path, max_total_tokens=8192, startup_timeout_s=480.0)
-    server.start()
+    load_before = os.getloadavg()
+    server = None
+    procs = []
+    if backend == "fake":
+        bport = free_port()
+        # it reports the model folder, so the router learns the vocabulary and checks token ids as in production
+        procs.append(spawn([py(), "-m", FAKE, "--port", str(bport), "--ttft-s", str(ttft_s), "--tpot-s", str(tpot_s),
+                            "--model-info-path", model_path], f"{tmp}/fake.log"))
+        base = f"http://127.0.0.1:{bport}"
+        wait_http(base + "/health")
+        backend_pid = procs[0].pid
+    else:
+        from kllm_plugins.testing.sglang_server import SGLangServer
+
+        server = SGLangServer(model_path, max_total_tokens=8192, startup_timeout_s=480.0)
+        server.start()
+        base = server.base_url
+        assert server.proc is not None
+        backend_pid = server.proc.pid
     rport = free_port()
-    router = spawn([*router_cmd("kllm", rport, [server.base_url])], f"{tmp}/router.log")
+    router = spawn([*router_cmd("kllm", rport, [base])], f"{tmp}/router.log")
+    procs.append(router)
     rows: list[dict[str, Any]] = []
+    cpu_router = {"direct": 0.0, "kllm": 0.0}
     try:
         wait_http(f"http://127.0.0.1:{rport}/health", 60)
-        targets = [("direct", server.base_url), ("kllm", f"http://127.0.0.1:{rport}")]
-        cpu0 = cpu_seconds(router.pid)
+        targets = [("direct", base), ("kllm", f"http://127.0.0.1:{rport}")]
+        # warm-up: connections, tokenizer, the server's first batches
+        for _, url in targets:
+            _bench_serving_once(url, model_path, max(4, concurrency), input_len, output_len, concurrency, 999,
+                                f"{tmp}/warm.jsonl")
         for rnd in range(rounds):
             for name, url in (targets if rnd % 2 == 0 else targets[::-1]):
-                out = f"{tmp}/{name}-{rnd}.jsonl"
-                cmd = [py(), "-m", "sglang.bench_serving", "--backend", "sglang", "--base-url", url,
-                       "--dataset-name", "random-ids", "--num-prompts", str(num_prompts),
-                       "--random-input-len", str(input_len), "--random-output-len", str(output_len),
-                       "--random-range-ratio", "1.0", "--tokenizer", model_path, "--max-concurrency", "4",
-                       "--seed", str(rnd), "--disable-tqdm", "--output-file", out]
-                import subprocess
-
-                subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, timeout=600)
-                with open(out, encoding="utf-8") as fh:
-                    res = json.loads(fh.read().strip().splitlines()[-1])
-                rows.append({"round": rnd, "target": name, "median_ttft_ms": res["median_ttft_ms"],
-                             "median_e2e_ms": res["median_e2e_latency_ms"], "median_itl_ms": res["median_itl_ms"],
-                             "completed": res["completed"]})
-                print(json.dumps(rows[-1]), flush=True)
-        router_cpu_s = cpu_seconds(router.pid) - cpu0
+                c0 = cpu_seconds(router.pid)
+                res = _bench_serving_once(url, model_path, num_prompts, input_len, output_len, concurrency, rnd,
+                                          f"{tmp}/{name}-{rnd}.jsonl")
+                cpu_router[name] += cpu_seconds(router.pid) - c0
+                row = {"round": rnd, "target": name, "completed": res["completed"],
+                       "output_tokens": res["total_output_tokens"]}
+                row.update({k: round(float(res[k]), 3) for k in BS_KEYS})
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     finally:
-        stop(router)
-        server.stop()
+        for p in procs:
+            stop(p)
+        if server is not None:
+            server.stop()
     by = {(r["round"], r["target"]): r for r in rows}
-    ttft = [by[(k, "kllm")]["median_ttft_ms"] - by[(k, "direct")]["median_ttft_ms"] for k in range(rounds)]
-    e2e = [by[(k, "kllm")]["median_e2e_ms"] - by[(k, "direct")]["median_e2e_ms"] for k in range(rounds)]
-    per_tok = [(e - t) / max(1, output_len - 1) for e, t in zip(e2e, ttft)]
-    tokens = rounds * num_prompts * output_len
-    summary = {"added_ttft_ms": {"median": med(ttft), "rounds": [round(x, 3) for x in ttft]},
-               "added_per_token_ms": {"median": med(per_tok), "rounds": [round(x, 4) for x in per_tok]},
-               "router_cpu_ms_per_token": round(router_cpu_s * 1000 / tokens, 4),
-               "num_prompts": num_prompts, "input_len": input_len, "output_len": output_len, "rounds": rounds,
-               "machine": f"{os.cpu_count()} cores shared with other work (load average {os.getloadavg()[0]:.1f})",
-               "measured": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
-               "per_round": rows}
-    print(f"bench_serving through kllm-router vs direct ({rounds} interleaved rounds): added median TTFT "
-          f"{summary['added_ttft_ms']['median']} ms {summary['added_ttft_ms']['rounds']}, added per output token "
-          f"{summary['added_per_token_ms']['median']} ms {summary['added_per_token_ms']['rounds']}, router CPU "
-          f"{summary['router_cpu_ms_per_token']} ms per token")
-    if record:
-        merge_results("bench_serving_overhead", [summary], " ".join(["python", *sys.argv]))
+    pairs = [(by[(k, "kllm")], by[(k, "direct")]) for k in range(rounds)]
+
+    def added(key: str) -> dict[str, Any]:
+        return spread([round(r[key] - d[key], 4) for r, d in pairs])
+
+    def ratio(key: str) -> dict[str, Any]:
+        return ratio_of_medians([r[key] for r, _ in pairs], [d[key] for _, d in pairs])
+
+    via_e2e = [round(((r["median_e2e_latency_ms"] - d["median_e2e_latency_ms"])
+                      - (r["median_ttft_ms"] - d["median_ttft_ms"])) / max(1, output_len - 1), 4) for r, d in pairs]
+    relayed = sum(r["output_tokens"] for r, _ in pairs)
+    metrics = {
+        "added_median_ttft_ms": added("median_ttft_ms"),
+        "added_p99_ttft_ms": added("p99_ttft_ms"),
+        "added_median_tpot_ms": added("median_tpot_ms"),
+        "added_median_itl_ms": added("median_itl_ms"),
+        "added_per_token_ms_from_e2e": spread(via_e2e),
+        "added_median_e2e_ms": added("median_e2e_latency_ms"),
+        "ratio_median_ttft": ratio("median_ttft_ms"),
+        "ratio_median_tpot": ratio("median_tpot_ms"),
+        "ratio_median_e2e": ratio("median_e2e_latency_ms"),
+        "direct_median_ttft_ms": spread([d["median_ttft_ms"] for _, d in pairs]),
+        "direct_median_tpot_ms": spread([d["median_tpot_ms"] for _, d in pairs]),
+        "router_cpu_us_per_token": round(cpu_router["kllm"] * 1e6 / max(1, relayed), 1),
+        "router_cpu_s_idle_during_direct_rounds": round(cpu_router["direct"], 3),
+        "failed": sum(2 * num_prompts - r["completed"] - d["completed"] for r, d in pairs),
+    }
+    targets_met = (metrics["added_median_ttft_ms"]["median"] < 1.0
+                   and metrics["added_median_tpot_ms"]["median"] < 0.05)
+    setup = {"backend": backend, "rounds": rounds, "num_prompts": num_prompts, "input_len": input_len,
+             "output_len": output_len, "max_concurrency": concurrency, "dataset": "random-ids",
+             "targets": "added median TTFT < 1 ms, added per output token < 0.05 ms", "targets_met": targets_met}
+    if backend == "fake":
+        setup.update(fake_ttft_s=ttft_s, fake_tpot_s=tpot_s)
+    load_after = os.getloadavg()
+    print(f"sglang.bench_serving via kllm-router vs direct, {backend} backend, {rounds} interleaved rounds: "
+          f"added median TTFT {metrics['added_median_ttft_ms']['median']:.3f} ms "
+          f"[{metrics['added_median_ttft_ms']['min']:.3f}, {metrics['added_median_ttft_ms']['max']:.3f}], "
+          f"added median TPOT {metrics['added_median_tpot_ms']['median']:.4f} ms "
+          f"[{metrics['added_median_tpot_ms']['min']:.4f}, {metrics['added_median_tpot_ms']['max']:.4f}], "
+          f"per token from E2E {metrics['added_per_token_ms_from_e2e']['median']:.4f} ms, router CPU "
+          f"{metrics['router_cpu_us_per_token']} us/token; targets met: {targets_met}; load average "
+          f"{load_before[0]:.2f} -> {load_after[0]:.2f}")
+    if not record:
+        return
+    from kllm_plugins.bench.record import load_summary, result_path
+
+    path = result_path("bigpd_router", "overhead")
+    old = load_summary(path) if path.exists() else {}
+    parts = {k: v for k, v in (old.get("metrics") or {}).items() if k != backend}
+    parts[backend] = metrics
+    setups = {k: v for k, v in (old.get("setup") or {}).items() if k != backend}
+    setups[backend] = dict(setup, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
+                           load_average_before_after=[round(load_before[0], 2), round(load_after[0], 2)])
+    commands = {k: v for k, v in (old.get("commands") or {}).items() if k != backend}
+    commands[backend] = " ".join(["python", *sys.argv])
+    write_record("bigpd_router", "overhead", " && ".join(commands[k] for k in sorted(commands)), parts,
+                 machine=machine_description("shared 2-core, several helpers; benchmarks under flock"),
+                 commands=commands, setup=setups, per_round={**(old.get("per_round") or {}), backend: rows},
+                 notes="added = router minus direct, per round (interleaved, same prompts), median and spread over "
+                       "rounds; metrics per backend: fake (paced tokens, isolates the router) and sglang (real "
+                       "server, tiny model, kllm_cpu platform)")
 
 
 if __name__ == "__main__":
