@@ -15,13 +15,17 @@ What each part needs, as found:
   kit's fixtures exercise the plugin's own path.
 - The Rust TreeCore: the kit's `RustUnifiedTreeCoreInspector` loads inspection bindings
   (`load_tree_core_extension(inspection=True)`) built from SGLang's Rust workspace, which the wheel
-  does not ship: it fails on stock as well (expected failure, strict).
+  does not ship: it fails on stock as well (expected failure, strict). The kit's builder still
+  makes both caches on SGLang's own `RustUnifiedTreeCore` when that stands in for the inspector
+  (`_rust_core_for_the_inspector`); those trees are compared through the binding's own dump.
 - SWA / Mamba configurations: the plugin routes them to the stock method ("auxiliary components"),
   so they are not compared here.
 """
 from __future__ import annotations
 
 import random
+import sys
+import types
 from typing import Any
 from unittest import mock
 
@@ -32,10 +36,13 @@ pytestmark = [pytest.mark.sglang]
 fixtures = pytest.importorskip("sglang.test.kits.unified_radix_cache.fixtures")
 from sglang.srt.mem_cache.unified_cache.components.base import ComponentType  # noqa: E402
 from sglang.test.kits.unified_radix_cache.config import CONFIGS  # noqa: E402
+from sglang.test.kits.unified_radix_cache.unified_tree_core_inspection_interface import (  # noqa: E402
+    UnifiedTreeCoreInspectionInterface,
+)
 from sglang.test.kits.unified_radix_cache.unified_tree_core_inspector import UnifiedTreeCoreInspector  # noqa: E402
 
 from kllm_plugins.plugins.incr_prefix.sglang_adapter import IncrementalUnifiedRadixCache  # noqa: E402
-from kllm_plugins.plugins.incr_prefix.sglang_testing import CacheDriver, tree_snapshot  # noqa: E402
+from kllm_plugins.plugins.incr_prefix.sglang_testing import CacheDriver, rust_tree_snapshot, tree_snapshot  # noqa: E402
 
 FULL = [c for c in CONFIGS if c.components == (ComponentType.FULL,)]
 
@@ -128,3 +135,37 @@ def test_incremental_tree_equals_stock_on_python_treecore(cfg: Any) -> None:
 def test_rust_treecore_kit_fixture(plugin: bool) -> None:
     cache, allocator, pool = _build(FULL[1], IncrementalUnifiedRadixCache if plugin else None, backend="rust")
     _drive(cache, allocator, pool, _workload(FULL[1]))
+
+
+def _rust_core_for_the_inspector() -> Any:
+    """The kit's Rust inspector module replaced by SGLang's own `RustUnifiedTreeCore` (the
+    inspection bindings are not in the wheel), and the builder's inspector check widened to it."""
+    from contextlib import ExitStack
+
+    from sglang.srt.mem_cache.rust_tree_core.adapter import RustUnifiedTreeCore
+
+    name = "sglang.test.kits.unified_radix_cache.rust_unified_tree_core_inspector"
+    shim = types.ModuleType(name)
+    shim.RustUnifiedTreeCoreInspector = RustUnifiedTreeCore  # type: ignore[attr-defined]
+    stack = ExitStack()
+    stack.enter_context(mock.patch.dict(sys.modules, {name: shim}))
+    stack.enter_context(mock.patch.object(fixtures, "UnifiedTreeCoreInspectionInterface",
+                                          (UnifiedTreeCoreInspectionInterface, RustUnifiedTreeCore)))
+    return stack
+
+
+@pytest.mark.parametrize("cfg", FULL, ids=[c.label for c in FULL])
+def test_incremental_tree_equals_stock_on_rust_treecore(cfg: Any) -> None:
+    work = _workload(cfg)
+    with _rust_core_for_the_inspector():
+        stock = _build(cfg, None, backend="rust")
+        ours = _build(cfg, IncrementalUnifiedRadixCache, backend="rust")
+    assert type(ours[0].tree_core).__name__ == "RustUnifiedTreeCore"
+    assert ours[0]._kllm_rust and ours[0]._kllm_unsupported == ""
+    stock_hits = _drive(*stock, work)
+    our_hits = _drive(*ours, work)
+    assert our_hits == stock_hits
+    assert stock_hits[2] >= len(work[2][0]) // cfg.page_size * cfg.page_size - cfg.page_size  # a full hit
+    assert rust_tree_snapshot(ours[0]) == rust_tree_snapshot(stock[0])
+    counters = ours[0].kllm_counters
+    assert counters.tail_inserts > 0 and counters.skipped_tokens > 0, counters
