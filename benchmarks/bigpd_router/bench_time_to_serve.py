@@ -206,17 +206,22 @@ def release_probe(model: str, path: str, log_dir: str) -> dict[str, Any]:
         base.wait_ready(url, 600)
         pid = base.procs[url].pid
         out["memory_bytes_ready"] = process_group_memory_bytes(pid)
-        t0 = time.monotonic()
-        status, body = http_json(url + "/release_memory_occupation", {}, timeout_s=120)
-        out["release"] = {"status": status, "seconds": round(time.monotonic() - t0, 3), "answer": str(body)[:200]}
-        time.sleep(1)
-        out["memory_bytes_released"] = process_group_memory_bytes(pid)
-        t0 = time.monotonic()
-        status, body = http_json(url + "/resume_memory_occupation", {}, timeout_s=120)
-        out["resume"] = {"status": status, "seconds": round(time.monotonic() - t0, 3), "answer": str(body)[:200]}
-        status, body = http_json(url + "/generate", BODY, timeout_s=120)
-        out["generate_after_resume"] = {"status": status, "text": (body or {}).get("text") if isinstance(body, dict)
-                                        else str(body)[:100]}
+        for step, endpoint, body_in in (("release", "/release_memory_occupation", {}),
+                                        ("resume", "/resume_memory_occupation", {}),
+                                        ("generate_after_resume", "/generate", BODY)):
+            t0 = time.monotonic()
+            try:
+                status, body = http_json(url + endpoint, body_in, timeout_s=120)
+            except OSError as exc:  # the CPU scheduler may die on release: record it, stop the probe
+                out[step] = {"status": None, "seconds": round(time.monotonic() - t0, 3),
+                             "answer": f"no answer: {type(exc).__name__}: {exc}"[:200],
+                             "server_alive": base.alive(url)}
+                break
+            text = body.get("text") if isinstance(body, dict) and "text" in body else str(body)[:200]
+            out[step] = {"status": status, "seconds": round(time.monotonic() - t0, 3), "answer": text}
+            if step == "release":
+                time.sleep(1)
+                out["memory_bytes_released"] = process_group_memory_bytes(pid)
         log = open(os.path.join(log_dir, f"sglang-plain-{url.rsplit(':', 1)[1]}.log"), errors="replace").read()
         out["server_said"] = sorted({ln.split("] ", 1)[-1][:160] for ln in log.splitlines()
                                      if "memory_saver" in ln or "will not save memory" in ln})[:3]
