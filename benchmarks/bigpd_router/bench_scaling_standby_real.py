@@ -247,12 +247,13 @@ def main() -> None:
     if old_rows and calib is None:
         calib = old_rows[0]["calibration"]  # one request length for every repeat of the recorded trace
     rows: list[dict[str, Any]] = []
+    run_id = f"{git_commit()}@{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}"
     for rep in range(args.repeats):
         k = (rep + offset) % len(args.setups)
         for setup in args.setups[k:] + args.setups[:k]:  # interleaved, rotating order
             row = asyncio.run(run(setup, args, str(tiny_llama_path()), calib))
             calib = row["calibration"]
-            row["run_repeat"] = f"{git_commit()}@{time.strftime('%H:%M:%S', time.gmtime())}#{rep}"
+            row["run_repeat"] = f"{run_id}#{rep}"
             rows.append(row)
             print(json.dumps(row), flush=True)
     all_rows = old_rows + rows
