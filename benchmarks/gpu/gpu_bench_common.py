@@ -61,7 +61,7 @@ class Setup:
 
         return SGLangServer(self.model, plugins=list(plugins), extra_args=[*self.args(mem_fraction, graphs), *extra],
                             env={**self.env(graphs), **env}, cpu_platform=self.cpu, max_total_tokens=max_total_tokens,
-                            startup_timeout_s=180 if self.cpu else 420, strict=strict)
+                            startup_timeout_s=600 if self.cpu else 420, strict=strict)
 
     def machine(self) -> dict[str, Any]:
         if self.cpu:
