@@ -66,10 +66,9 @@ class KllmPluginManager:
         self.warnings: list[str] = []
         self._objects_by_name: dict[str, object] = {}
         for plugin in self.pm.get_plugins():
-            impl = getattr(plugin, "kllm_declare", None)
-            if impl is None:
+            if not self._implements(plugin, "kllm_declare"):
                 continue
-            spec = impl()
+            spec = self._call(plugin, "kllm_declare")
             if not isinstance(spec, PluginSpec):
                 raise KllmConfigError(
                     f"kllm: plugin {self.pm.get_name(plugin)!r} kllm_declare() returned {type(spec).__name__}, not PluginSpec"
@@ -78,6 +77,16 @@ class KllmPluginManager:
                 raise KllmConfigError(f"kllm: two plugins declare the name {spec.name!r}")
             self.specs[spec.name] = spec
             self._objects_by_name[spec.name] = plugin
+
+    def _implements(self, plugin: object, hook: str) -> bool:
+        return any(impl.plugin is plugin for impl in getattr(self.pm.hook, hook).get_hookimpls())
+
+    def _call(self, plugin: object, hook: str, **kwargs: Any) -> Any:
+        """`plugin`'s implementation of `hook`, called through pluggy (`pm.hook`, restricted to that
+        plugin: each gets its own config); None when it implements none."""
+        others = [p for p in self.pm.get_plugins() if p is not plugin]
+        results = self.pm.subset_hook_caller(hook, remove_plugins=others)(**kwargs)
+        return results[0] if results else None
 
     def names(self) -> list[str]:
         return sorted(self.specs)
@@ -133,27 +142,23 @@ class KllmPluginManager:
             enabled.append(EnabledPlugin(spec, config))
         for ep in enabled:
             obj = self._objects_by_name[ep.spec.name]
-            validate = getattr(obj, "kllm_validate", None)
-            if validate is not None:
+            if self._implements(obj, "kllm_validate"):
                 try:
-                    validate(config=ep.config, enabled=list(selection))
+                    self._call(obj, "kllm_validate", config=ep.config, enabled=list(selection))
                 except ValueError as exc:
                     raise KllmConfigError(f"kllm: plugin {ep.spec.name!r}: {exc}") from None
         return enabled
 
     def activate(self, enabled: list[EnabledPlugin], role: str) -> None:
         for ep in enabled:
-            obj = self._objects_by_name[ep.spec.name]
-            fn = getattr(obj, "kllm_activate", None)
-            if fn is not None:
-                fn(config=ep.config, role=role)
+            self._call(self._objects_by_name[ep.spec.name], "kllm_activate", config=ep.config, role=role)
 
     def select_features(self, enabled: list[EnabledPlugin], server_args: Any) -> list[tuple[str, str]]:
         """`kllm_select_features` of each enabled plugin: (plugin, what it selected) for each that did."""
         out = []
         for ep in enabled:
-            fn = getattr(self._objects_by_name[ep.spec.name], "kllm_select_features", None)
-            chosen = fn(config=ep.config, server_args=server_args) if fn is not None else None
+            chosen = self._call(self._objects_by_name[ep.spec.name], "kllm_select_features", config=ep.config,
+                                server_args=server_args)
             if chosen:
                 out.append((ep.spec.name, str(chosen)))
         return out
@@ -162,8 +167,8 @@ class KllmPluginManager:
         """`kllm_readiness` of each enabled plugin: plugin -> why it would do nothing, for each inert one."""
         inert: dict[str, str] = {}
         for ep in enabled:
-            fn = getattr(self._objects_by_name[ep.spec.name], "kllm_readiness", None)
-            reason = fn(config=ep.config, server_args=server_args) if fn is not None else None
+            reason = self._call(self._objects_by_name[ep.spec.name], "kllm_readiness", config=ep.config,
+                                server_args=server_args)
             if reason:
                 inert[ep.spec.name] = str(reason)
         return inert

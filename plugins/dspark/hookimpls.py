@@ -10,9 +10,8 @@ import os
 from typing import Any
 
 from kllm_plugins.hookspecs import hookimpl
-from kllm_plugins.plugins.dspark.config import RAGGED_MODES, DsparkConfig, parse_knots
-from kllm_plugins.plugins.dspark.core.budget import OBJECTIVES
-from kllm_plugins.spec import OptionSpec, PatchSpec, PluginSpec
+from kllm_plugins.plugins.dspark.config import DsparkConfig
+from kllm_plugins.spec import PatchSpec, PluginSpec, options_from_config
 
 logger = logging.getLogger("kllm.dspark")
 
@@ -75,25 +74,7 @@ def kllm_declare() -> PluginSpec:
         name="dspark",
         summary="DSPARK verify budget learned online from step times; throughput or per-user SLA objective",
         status="experimental",
-        options=(
-            OptionSpec("objective", str, "throughput", "throughput, or sla (per-user tokens/s floor first)", OBJECTIVES),
-            OptionSpec("sla_tokens_per_s", float, 0.0, "per-request speed floor for objective=sla"),
-            OptionSpec("sla_softness", float, 0.1, "width of the smooth SLA indicator, fraction of the SLA (0: hard)"),
-            OptionSpec("min_verify_len", int, 1, "fewest tokens each request verifies per step (anchor included)"),
-            OptionSpec("max_verify_len", int, 0, "most tokens each request verifies per step (0: gamma+1)"),
-            OptionSpec("survival_eps", float, 1e-6, "survival probabilities below this are never verified"),
-            OptionSpec(
-                "ragged_mode", str, "compact", "SGLANG_RAGGED_VERIFY_MODE used when the user has not set it", RAGGED_MODES
-            ),
-            OptionSpec("half_life_steps", float, 64.0, "age in steps at which a step-time observation weighs half"),
-            OptionSpec("window", int, 256, "step-time observations kept for the cost fit"),
-            OptionSpec("knots", parse_knots, (32, 64, 128, 256, 512, 1024), "verify-token counts where the cost slope may change"),
-            OptionSpec("explore_prob", float, 0.02, "probability of a random budget once the model is trusted"),
-            OptionSpec("warmup_explore_prob", float, 0.5, "probability of a random budget while learning"),
-            OptionSpec("refit_every", int, 4, "refit the cost model every N observed steps"),
-            OptionSpec("max_step_gap_s", float, 1.0, "longer gaps between decode steps are not timed"),
-            OptionSpec("publish_interval_s", float, 1.0, "seconds between /kllm/stats snapshots"),
-        ),
+        options=options_from_config(DsparkConfig),
         patches=PATCHES,
         config_factory=DsparkConfig,
     )

@@ -5,7 +5,7 @@ from typing import Any
 
 from kllm_plugins.hookspecs import hookimpl
 from kllm_plugins.plugins.incr_prefix.config import IncrPrefixConfig
-from kllm_plugins.spec import OptionSpec, PatchSpec, PluginSpec, parse_bool
+from kllm_plugins.spec import PatchSpec, PluginSpec, options_from_config
 
 ADAPTER = "kllm_plugins.plugins.incr_prefix.sglang_adapter"
 
@@ -34,26 +34,7 @@ def kllm_declare() -> PluginSpec:
             "the node the previous chunk locked (select with --radix-cache-backend kllm_incremental)"
         ),
         status="experimental",
-        options=(
-            OptionSpec("enabled", parse_bool, True, "serve chunk checkpoints with tail-only inserts"),
-            OptionSpec(
-                "min_prefix_tokens", int, 0, "use the tail-only insert only above this protected prefix"
-            ),
-            OptionSpec("verify", parse_bool, False, "debug: re-match from the root after each tail insert"),
-            OptionSpec(
-                "force_python_treecore",
-                parse_bool,
-                False,
-                "build the kllm_incremental cache on the Python TreeCore (the only one with a tail-only walk)",
-            ),
-            OptionSpec(
-                "waiting_match_memo",
-                parse_bool,
-                True,
-                "skip a waiting request's per-pass re-match when its previous result provably still holds",
-            ),
-            OptionSpec("publish_interval_s", float, 0.5, "seconds between counter snapshots for /kllm/stats"),
-        ),
+        options=options_from_config(IncrPrefixConfig),
         patches=(
             PatchSpec(
                 target="sglang.srt.mem_cache.registry.register_radix_cache_backend",

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from kllm_plugins.hookspecs import hookimpl
 from kllm_plugins.plugins.input_guard.config import InputGuardConfig
-from kllm_plugins.spec import OptionSpec, PatchSpec, PluginSpec, parse_bool
+from kllm_plugins.spec import PatchSpec, PluginSpec, options_from_config
 
 ADAPTER = "kllm_plugins.plugins.input_guard.sglang_adapter"
 
@@ -14,10 +14,7 @@ def kllm_declare() -> PluginSpec:
         name="input_guard",
         summary="refuses token ids outside the vocabulary (HTTP 400) instead of letting them crash the scheduler",
         status="experimental",
-        options=(
-            OptionSpec("check_token_ids", parse_bool, True, "refuse input_ids outside [0, vocab_size) (HTTP 400)"),
-            OptionSpec("max_input_ids", int, 0, "refuse input_ids lists longer than this (0: no own limit)"),
-        ),
+        options=options_from_config(InputGuardConfig),
         patches=(
             PatchSpec(
                 target="sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",

@@ -5,15 +5,13 @@ from typing import Any
 
 from kllm_plugins.hookspecs import hookimpl
 from kllm_plugins.plugins.kv_tiers.config import KvTiersConfig
-from kllm_plugins.spec import OptionSpec, PatchSpec, PluginSpec, parse_bool
+from kllm_plugins.spec import PatchSpec, PluginSpec, options_from_config
 
 ADAPTER = "kllm_plugins.plugins.kv_tiers.sglang_adapter"
 PREFETCH, ADMISSION = f"{ADAPTER}.prefetch", f"{ADAPTER}.admission"
 MEASUREMENT, EVENTS, COPIER = f"{ADAPTER}.measurement", f"{ADAPTER}.events", f"{ADAPTER}.copier"
 URC = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache"
 MHA_HOST = "sglang.srt.mem_cache.pool_host.mha.MHATokenToKVPoolHost"
-
-_D = KvTiersConfig()
 
 
 @hookimpl
@@ -22,45 +20,7 @@ def kllm_declare() -> PluginSpec:
         name="kv_tiers",
         summary="L2/L3 KV tiers that pay off: checked file L3 store, fetch-or-recompute, selective persistence, tier events",
         status="experimental",
-        options=(
-            OptionSpec("store_dir", str, _D.store_dir, "folder of the L3 file store ('' = <tmp>/kllm-kv-tiers)"),
-            OptionSpec("store_capacity_gb", float, _D.store_capacity_gb, "L3 file store bound per rank (GiB)"),
-            OptionSpec("fsync", parse_bool, _D.fsync, "fsync each L3 page before publishing it"),
-            OptionSpec("min_reuse", int, _D.min_reuse, "sightings before a page is written to L3 (1 = all)"),
-            OptionSpec("write_all_below_pressure", parse_bool, _D.write_all_below_pressure,
-                       "write every page while the store has room and bandwidth; select only under pressure"),
-            OptionSpec("reuse_window", int, _D.reuse_window,
-                       "write-all only while one of the last N L3 lookups reused something (0: always)"),
-            OptionSpec("start_active", parse_bool, _D.start_active,
-                       "assume reuse at start: write all until reuse_window lookups show none"),
-            OptionSpec("dormant_hold_mb", float, _D.dormant_hold_mb,
-                       "MiB of pages skipped before reuse is seen, written once it is (0: dropped)"),
-            OptionSpec("fill_high", float, _D.fill_high, "store fill fraction that raises the reuse bar"),
-            OptionSpec("busy_high", float, _D.busy_high, "writer busy fraction that raises the reuse bar"),
-            OptionSpec("fetch_margin", float, _D.fetch_margin, "fetch only when this many times cheaper than recompute"),
-            OptionSpec("explore_every", int, _D.explore_every, "re-measure a refused tier every N decisions (0: never)"),
-            OptionSpec("prefetch_wait_by_load", parse_bool, _D.prefetch_wait_by_load,
-                       "learn the L3 prefetch round trip apart for a busy and an idle server"),
-            OptionSpec("l3_read_gbps", float, _D.l3_read_gbps, "prior L3 read bandwidth (GB/s) until measured"),
-            OptionSpec("l2_load_gbps", float, _D.l2_load_gbps, "prior L2->L1 bandwidth (GB/s) until measured"),
-            OptionSpec("prefill_tokens_per_s", float, _D.prefill_tokens_per_s, "prior prefill speed until measured"),
-            OptionSpec("prefetch_max_inflight_ops", int, _D.prefetch_max_inflight_ops, "most L3 prefetches in flight"),
-            OptionSpec("prefetch_max_inflight_tokens", int, _D.prefetch_max_inflight_tokens,
-                       "most tokens of L3 prefetches in flight"),
-            OptionSpec("adaptive_thresholds", parse_bool, _D.adaptive_thresholds,
-                       "set HiCache's prefetch / load-back thresholds from measured break-even lengths"),
-            OptionSpec("admission_hold", parse_bool, _D.admission_hold,
-                       "host-lock each L3-loaded L2 span until its request is admitted"),
-            OptionSpec("admission_hold_fraction", float, _D.admission_hold_fraction,
-                       "most of the host pool held that way at once (fraction of its tokens)"),
-            OptionSpec("admission_hold_max_s", float, _D.admission_hold_max_s,
-                       "release a hold after this many seconds if its request never runs"),
-            OptionSpec("instance_id", str, _D.instance_id, "instance id in tier events ('' = host:port)"),
-            OptionSpec("staged_copier", parse_bool, _D.staged_copier,
-                       "CUDA: HiCache L1<->L2 pages through the staged copier (direct, page_first_direct)"),
-            OptionSpec("staged_copier_chunk_pages", int, _D.staged_copier_chunk_pages,
-                       "pages per staging buffer of the copier"),
-        ),
+        options=options_from_config(KvTiersConfig),
         patches=(
             PatchSpec(
                 target=f"{URC}.prefetch_from_storage",

@@ -2,25 +2,27 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
-KERNELS = ("auto", "sdpa_flash", "triton", "torch")
+from kllm_plugins.spec import check_config, option
+
+Kernel = Literal["auto", "sdpa_flash", "triton", "torch"]
+KERNELS: tuple[str, ...] = get_args(Kernel)
 
 
 @dataclass(frozen=True)
 class RingCPConfig:
-    enable_ring: bool = True
+    enable_ring: bool = option(True, "use the ring for prefill CP attention (keep --cp-strategy zigzag)")
     """Replace SGLang's zigzag all-gather prefill-CP attention with the ring (SGLang keeps --cp-strategy zigzag)."""
-    chunks_per_shard: int = 4
+    chunks_per_shard: int = option(4, "K/V chunks per rank shard on the ring", ge=1, le=64)
     """K/V chunks per rank shard on the ring: per-rank K/V is 1/N of the sequence plus two chunks."""
-    kernel: str = "auto"
+    kernel: Kernel = option("auto", "block attention implementation")
     """Block attention: auto (sdpa_flash on CUDA, torch on CPU), sdpa_flash, triton or torch."""
-    keep_full_kv_in_pool: bool = True
+    keep_full_kv_in_pool: bool = option(
+        True, "still write the full K/V into each rank's pool (needed by decode, radix cache, PD)")
     """Still all-gather K/V into each rank's pool after attention (decode, radix cache and PD need it today)."""
 
     def __post_init__(self) -> None:
-        if not 1 <= self.chunks_per_shard <= 64:
-            raise ValueError(f"chunks_per_shard must be in [1, 64], got {self.chunks_per_shard}")
-        if self.kernel not in KERNELS:
-            raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {self.kernel!r}")
+        check_config(self)
         if not isinstance(self.enable_ring, bool) or not isinstance(self.keep_full_kv_in_pool, bool):
             raise ValueError("enable_ring and keep_full_kv_in_pool must be booleans")

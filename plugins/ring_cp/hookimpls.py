@@ -4,8 +4,8 @@ from __future__ import annotations
 from typing import Any
 
 from kllm_plugins.hookspecs import hookimpl
-from kllm_plugins.plugins.ring_cp.config import KERNELS, RingCPConfig
-from kllm_plugins.spec import OptionSpec, PatchSpec, PluginSpec, parse_bool
+from kllm_plugins.plugins.ring_cp.config import RingCPConfig
+from kllm_plugins.spec import PatchSpec, PluginSpec, options_from_config
 
 ADAPTER = "kllm_plugins.plugins.ring_cp.sglang_adapter"
 
@@ -16,13 +16,7 @@ def kllm_declare() -> PluginSpec:
         name="ring_cp",
         summary="ring-attention context parallelism for long prefill (K/V chunks travel a ring, LSE merge)",
         status="experimental",
-        options=(
-            OptionSpec("enable_ring", parse_bool, True, "use the ring for prefill CP attention (keep --cp-strategy zigzag)"),
-            OptionSpec("chunks_per_shard", int, 4, "K/V chunks per rank shard on the ring"),
-            OptionSpec("kernel", str, "auto", "block attention implementation", choices=KERNELS),
-            OptionSpec("keep_full_kv_in_pool", parse_bool, True,
-                       "still write the full K/V into each rank's pool (needed by decode, radix cache, PD)"),
-        ),
+        options=options_from_config(RingCPConfig),
         patches=(
             PatchSpec(
                 target="sglang.srt.layers.cp.base.init_cp_strategy",

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from kllm_plugins.hookspecs import hookimpl
 from kllm_plugins.plugins.trace.config import TraceConfig
-from kllm_plugins.spec import OptionSpec, PatchSpec, PluginSpec
+from kllm_plugins.spec import PatchSpec, PluginSpec, options_from_config
 
 ADAPTER = "kllm_plugins.plugins.trace.sglang_adapter"
 
@@ -14,11 +14,7 @@ def kllm_declare() -> PluginSpec:
         name="trace",
         summary="counts scheduler passes, prefill chunks and decode steps (log, Prometheus, /kllm/stats)",
         status="stable",
-        options=(
-            OptionSpec("log_interval_s", float, 10.0, "seconds between scheduler summary log lines (0: off)"),
-            OptionSpec("publish_interval_s", float, 0.2, "seconds between snapshots for /kllm/stats"),
-            OptionSpec("profile_path", str, "", "cProfile batch selection and write pstats here (debug; costs time)"),
-        ),
+        options=options_from_config(TraceConfig),
         patches=(
             PatchSpec(
                 target="sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run",

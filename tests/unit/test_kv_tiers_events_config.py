@@ -92,7 +92,6 @@ def test_plugin_declares_options_and_a_patch_ledger(monkeypatch) -> None:
     monkeypatch.delenv("KLLM_EXTRA_PLUGINS", raising=False)
     m = KllmPluginManager(extra_plugins=[("kv_tiers", hookimpls)], load_entry_points=False)
     spec = m.specs["kv_tiers"]
-    assert {o.name for o in spec.options} >= {"store_dir", "store_capacity_gb", "min_reuse", "fetch_margin"}
     assert all(p.why and p.upstream for p in spec.patches)
     assert {p.kind for p in spec.patches} <= {"around", "after", "before", "registry"}
     built = m.build(["kv_tiers"], {}, {"KLLM_KV_TIERS_MIN_REUSE": "3", "KLLM_KV_TIERS_FSYNC": "true"}, {})
