@@ -31,7 +31,9 @@ FAKE = "kllm_plugins.plugins.bigpd_router.service.fake_backend"
 def test_soak_1000_concurrent_streams_leaks_nothing() -> None:
     async def go() -> None:
         backends = [FakeBackend(tpot_s=0.005, record=False), FakeBackend(tpot_s=0.005, record=False)]
-        cfg = RouterConfig(policy="least_load", health_interval_s=1.0, loads_interval_s=0)
+        # no liveness probes: router, backends and 1000 clients share one event loop here, which a
+        # loaded machine slows past any probe timeout (the soak is about leaks, not failover)
+        cfg = RouterConfig(policy="least_load", health_interval_s=1.0, loads_interval_s=0, liveness_interval_s=0)
         async with cluster(backends, cfg) as (router, rurl, urls):
             conn = aiohttp.TCPConnector(limit=0)
             async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=120)) as s:

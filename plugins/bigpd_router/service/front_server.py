@@ -107,15 +107,17 @@ class Exchange:
         head = response_head(status, headers, None, self.keep_alive)
         _write(self.writer, head + chunk(first) if first else head)
 
-    async def send(self, data: bytes) -> None:
-        """One piece of a stream; raises ConnectionResetError when the client is seen gone. Waits only
-        when the client reads slower than the stream comes (a drain per token costs a suspension; a
-        client gone between two writes is seen by the next write or by the watchdog)."""
+    def push(self, data: bytes) -> bool:
+        """One piece of a stream, written now (callable from a transport callback); True when the
+        client reads slower than the stream comes (then `await drain()`). Raises ConnectionResetError
+        when the client is seen gone."""
         w = self.writer
-        if data:
-            _write(w, chunk(data))
-        if w.transport.get_write_buffer_size() > 65536 or w.transport.is_closing():
-            await _drain(w)
+        _write(w, chunk(data))
+        t = w.transport
+        return t.get_write_buffer_size() > 65536 or t.is_closing()
+
+    async def drain(self) -> None:
+        await _drain(self.writer)
 
     async def end_stream(self, data: bytes = b"") -> None:
         _write(self.writer, chunk(data) + LAST_CHUNK if data else LAST_CHUNK)

@@ -35,7 +35,7 @@ from kllm_plugins.plugins.bigpd_router.core.slo_load import backlog_tokens, meas
 from kllm_plugins.plugins.bigpd_router.service.front_server import Exchange, dumps
 from kllm_plugins.plugins.bigpd_router.service.http_wire import BadHttp
 from kllm_plugins.plugins.bigpd_router.service.upstream import PATHS, BeforeFirstToken, Ticket
-from kllm_plugins.plugins.bigpd_router.service.upstream_pool import UpstreamPool, UpstreamResponse
+from kllm_plugins.plugins.bigpd_router.service.upstream_pool import SinkError, UpstreamPool, UpstreamResponse
 from kllm_plugins.plugins.bigpd_router.service.watchdog import Watch, Watchdog
 
 if TYPE_CHECKING:
@@ -372,26 +372,33 @@ class Proxy:
         ex.start_stream(200, (("Content-Type", resp.headers.get("content-type", "text/event-stream")),
                               ("Cache-Control", "no-cache"), ("X-Request-Id", rid),
                               ("X-Kllm-Instance", ticket.inst.url)))
-        status, prev, older, piece, ending = 200, b"", b"", first, b""
+        status, ending = 200, b""
+        tail = [b"", b""]  # the last two pieces: the final event (usage) may straddle them
+
+        def sink(piece: bytes) -> bool:
+            """Called for every piece, from the upstream transport's callback once relaying."""
+            n = piece.count(b"data:")
+            if b"[DONE]" in piece:
+                n -= 1
+            ticket.events += n
+            ticket.t_last = time.monotonic()
+            tail[0], tail[1] = tail[1], piece
+            return ex.push(piece)  # ConnectionError here: the client left
+
         try:
-            while piece:
-                n = piece.count(b"data:")
-                if b"[DONE]" in piece:
-                    n -= 1
-                ticket.events += n
-                ticket.t_last = time.monotonic()
-                await ex.send(piece)  # ConnectionError here: the client left
-                older, prev = prev, piece
-                try:
-                    piece = await resp.read_some()
-                except UPSTREAM_ERRORS as exc:
-                    status = 502
-                    log.warning("stream broke rid=%s instance=%s error=%r", rid, ticket.inst.url, exc)
-                    r.registry.mark_check(ticket.inst.url, False)
-                    ending = sse_error(f"instance failed mid-stream: {exc!r}", status)
-                    break
+            if sink(first):
+                await ex.drain()
+            try:
+                await resp.relay(sink, ex.drain)
+            except SinkError as exc:
+                raise ClientGone from exc
+            except UPSTREAM_ERRORS as exc:
+                status = 502
+                log.warning("stream broke rid=%s instance=%s error=%r", rid, ticket.inst.url, exc)
+                r.registry.mark_check(ticket.inst.url, False)
+                ending = sse_error(f"instance failed mid-stream: {exc!r}", status)
             else:
-                if not prev.rstrip().endswith(b"[DONE]") and shape.endpoint != "generate":
+                if not tail[1].rstrip().endswith(b"[DONE]") and shape.endpoint != "generate":
                     status = 502
                     ending = sse_error("instance closed the stream early", status)
         except asyncio.CancelledError:
@@ -409,7 +416,7 @@ class Proxy:
                 log.warning("stream timed out rid=%s instance=%s", rid, ticket.inst.url)
                 ending = sse_error(f"instance sent nothing for {r.cfg.stall_timeout_s:g} s mid-stream"
                                    if time.monotonic() < watch.deadline else "request timed out mid-stream", status)
-        except ConnectionError:
+        except (ConnectionError, ClientGone):
             status = 499  # the client went away; closing upstream aborts the request in SGLang
         watch.disarm()
         if status != 499:
@@ -421,7 +428,7 @@ class Proxy:
             self.client_left(ex, "streaming")
         else:
             ex.status = status  # counted as what the client got in the end
-        r.observe_usage(shape, _last_event(older + prev))
+        r.observe_usage(shape, _last_event(tail[0] + tail[1]))
         tp = ticket.tpot()
         if tp is not None:
             r.tpot_actual[Role.DECODE if prefill else Role.PLAIN].add(tp)

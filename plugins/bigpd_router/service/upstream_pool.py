@@ -7,6 +7,12 @@ piece by piece (streams). A connection goes back to the pool only when its respo
 to the end; anything else closes it, which is also how an abandoned stream aborts the request
 inside SGLang. A reused connection that the instance had already closed fails before any byte
 of a response: that one case is retried once on a fresh connection.
+
+A chunked stream can also be relayed in push mode (`UpstreamResponse.relay`): for the rest of the
+body the connection's transport hands each read to a small protocol that decodes the framing and
+passes the pieces to a sink at once, from the transport's callback. The handler task then sleeps
+until the body ends (or the sink asks it to wait for a slow client) instead of being woken, and
+resuming a chain of coroutines, once per token.
 """
 from __future__ import annotations
 
@@ -14,6 +20,7 @@ import asyncio
 import collections
 import socket
 import time
+from typing import Awaitable, Callable
 
 from kllm_plugins.plugins.bigpd_router.service.http_wire import (
     MAX_HEAD_BYTES,
@@ -24,6 +31,80 @@ from kllm_plugins.plugins.bigpd_router.service.http_wire import (
 )
 
 READ_SIZE = 65536
+
+
+class SinkError(Exception):
+    """The sink of a relayed stream raised (the client is gone); `__cause__` holds its error."""
+
+
+async def _drain(drain: Callable[[], Awaitable[object]]) -> None:
+    try:
+        await drain()
+    except ConnectionError as exc:  # the client's side, not the instance's
+        raise SinkError("the sink's drain failed") from exc
+
+
+class _Relay(asyncio.Protocol):
+    """Push mode of one upstream connection while a chunked body is relayed (see `UpstreamResponse.relay`).
+
+    Stands in for the connection's StreamReaderProtocol, hands eof and loss on to it (so the
+    connection's state stays right for the pool) and is swapped back out when the body ends."""
+
+    def __init__(self, resp: UpstreamResponse, sink: Callable[[bytes], bool], transport: asyncio.Transport,
+                 orig: asyncio.BaseProtocol) -> None:
+        self.resp = resp
+        self.sink: Callable[[bytes], bool] | None = sink
+        self.transport = transport
+        self.orig = orig
+        self.waiter: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self.over = False
+        self.error: BaseException | None = None
+
+    def _wake(self, behind: bool) -> None:
+        if not self.waiter.done():
+            self.waiter.set_result(behind)
+
+    def _end(self, exc: BaseException | None) -> None:
+        """Stop pushing: the body is complete (exc None) or broken."""
+        if self.over:
+            return
+        self.over, self.sink, self.error = True, None, exc
+        if exc is None:
+            self.transport.set_protocol(self.orig)  # the reader reads the connection's next response
+        self._wake(False)
+
+    def data_received(self, data: bytes) -> None:
+        sink = self.sink
+        if sink is None:  # ended: nothing more goes to the client
+            return
+        dec = self.resp._chunks
+        assert dec is not None
+        try:
+            pieces = dec.feed(data)
+            behind = bool(pieces) and sink(pieces[0] if len(pieces) == 1 else b"".join(pieces))
+        except BadHttp as exc:
+            return self._end(ConnectionError(f"instance sent a bad chunked body: {exc}"))
+        except ConnectionError as exc:
+            err = SinkError("the sink refused a piece")
+            err.__cause__ = exc
+            return self._end(err)
+        except Exception as exc:  # a bug in the sink: surfaces in the handler, not in the event loop
+            return self._end(exc)
+        if dec.done:
+            self.resp._relay_done(trailing=bool(dec._buf))
+            return self._end(None)
+        if behind:
+            self.transport.pause_reading()
+            self._wake(True)
+
+    def eof_received(self) -> bool | None:
+        self.orig.eof_received()  # type: ignore[attr-defined]
+        self._end(ConnectionError("instance closed the connection mid-body"))
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.orig.connection_lost(exc)
+        self._end(ConnectionError("instance closed the connection mid-body"))
 
 
 class UpstreamConn:
@@ -123,6 +204,50 @@ class UpstreamResponse:
             if not piece:
                 return b"".join(parts)
             parts.append(piece)
+
+    def _relay_done(self, trailing: bool) -> None:
+        self.complete = True
+        if trailing:  # bytes after the last chunk: the connection is not in a known state
+            self.close()
+        else:
+            self._give_back()
+
+    async def relay(self, sink: Callable[[bytes], bool], drain: Callable[[], Awaitable[object]]) -> None:
+        """Hand every further piece of the body to `sink(piece)` as it arrives; returns once the body
+        is complete. A chunked body is pushed from the transport's callback (no task wake-up per
+        piece); others are read piece by piece. `sink` returns True when its client is behind:
+        reading pauses until `await drain()` returns. Raises SinkError when `sink` raised
+        ConnectionError (nothing more is pushed), ConnectionError when the body is cut."""
+        reader = self._conn.reader if self._conn is not None else None
+        while not self.complete and reader is not None and (
+                self._chunks is None or reader._buffer or reader.at_eof() or reader.exception() is not None):  # noqa: SLF001
+            # what the reader already holds (or a body that is not chunked) goes the ordinary way
+            piece = await self.read_some()
+            if piece:
+                try:
+                    behind = sink(piece)
+                except ConnectionError as exc:
+                    raise SinkError("the sink refused a piece") from exc
+                if behind:
+                    await _drain(drain)
+        conn = self._conn
+        if self.complete or conn is None:
+            return
+        transport = conn.writer.transport
+        relay = _Relay(self, sink, transport, transport.get_protocol())
+        transport.set_protocol(relay)
+        try:
+            while await relay.waiter:  # True: the client is behind (reading is paused)
+                await _drain(drain)
+                if relay.over:
+                    break
+                relay.waiter = asyncio.get_running_loop().create_future()
+                transport.resume_reading()
+        finally:
+            if not relay.over:  # cancelled, or the drain failed: push nothing more; the caller closes
+                relay.over, relay.sink = True, None
+        if relay.error is not None:
+            raise relay.error
 
     def close(self) -> None:
         """Abandon the response: the connection is closed, not reused."""
