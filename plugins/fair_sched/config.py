@@ -30,11 +30,11 @@ class FairSchedConfig:
     """While at least this many requests decode, a decode step comes after every long chunk; 0: off."""
     decode_max_gap_s: float = 0.0
     """With > 0, a decode step also comes after any long chunk once the last decode is this old; 0: off."""
-    decode_share: float = 0.08
+    decode_share: float = 0.04
     """With > 0, while prefills wait a decode step comes once the prefill time since the last is (1 - share) / share decode steps."""
     short_extra_tokens: int = -1
     """Extra pass tokens for earlier-key requests riding beside the partial prefill; -1: three budgets; 0: off."""
-    age_weight: float = 8.0
+    age_weight: float = 32.0
     """Order key = prefill tokens processed at arrival + age_weight x uncached prompt, smallest first (0: FCFS)."""
     mixed_decode: bool = False
     """Running requests decode one token inside every prefill pass (SGLang's mixed chunk), so prefills never stall them."""

@@ -1,0 +1,155 @@
+"""Benchmark (not collected by pytest): the fair_sched grid on real CPU SGLang servers, on the trace
+family of `traces.py`. Stock fcfs, lpm, shortest-prefill-first and hrrn against fair_sched (plugin
+defaults), one server each, all started up front and reused; seed s runs the policies in order,
+seed s+1 in reverse (ABBA), both loads back to back per policy.
+
+Capacity: after a warm-up, a burst of `--cal-requests` requests of the trace (their own seed) is
+submitted at once to the fcfs server; capacity = requests / wall. Loads are fractions of it.
+Prints the seed means of each policy and fair_sched's ratio to every stock policy side by side,
+checks the issue's targets on seed means, and checks that every request's output is identical
+to fcfs's. Records a small summary to `benchmarks/results/fair_sched/server_<trace>_<chunk>.json`.
+
+    flock /tmp/kllm-bench.lock .venv/bin/python benchmarks/fair_sched/server_grid.py --trace bursty --requests 120 --seeds 2
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import sys
+import time
+from contextlib import ExitStack
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import traces as tr  # noqa: E402
+from bench_fair_sched import counters, flush_cache, start_servers, warm_up  # noqa: E402
+from serving import Job, Outcome, run_jobs  # noqa: E402
+
+from kllm_plugins.bench.record import build_summary, result_path, write_summary  # noqa: E402
+from kllm_plugins.bench.stats import quantile  # noqa: E402
+
+POLICIES = ("fcfs", "lpm", "shortest-prefill-first", "hrrn", "fair_sched")
+STOCK = POLICIES[:-1]
+METRICS = ("mean", "p90", "p99", "short_p90", "long_mean", "tpot", "throughput")
+
+
+def jobs_for(trace: str, n: int, rate: float, seed: int, long_tokens: int, salt: str) -> list[Job]:
+    reqs = tr.make(trace, "cpu", n, seed)
+    return [Job(f"{salt}-{trace}-s{seed}-r{i}", (r.arrival_s / rate) if rate > 0 else 0.0, tr.prompt_ids(r, salt=salt),
+                r.output_len, "long" if r.input_len > long_tokens else "short") for i, r in enumerate(reqs)]
+
+
+def run_summary(outs: list[Outcome], wall_s: float) -> dict[str, float]:
+    ttft = [o.ttft_s for o in outs]
+    short = [o.ttft_s for o in outs if o.kind == "short"]
+    long_ = [o.ttft_s for o in outs if o.kind == "long"]
+    tpot = [o.tpot_s for o in outs if o.output_len > 1]
+    return {"mean": statistics.fmean(ttft), "p90": quantile(ttft, 0.9), "p99": quantile(ttft, 0.99),
+            "short_p90": quantile(short, 0.9) if short else float("nan"),
+            "long_mean": statistics.fmean(long_) if long_ else float("nan"),
+            "tpot": statistics.fmean(tpot), "throughput": len(outs) / wall_s}
+
+
+def targets(m: dict[str, dict[str, float]]) -> dict[str, dict[str, Any]]:
+    """The issue's targets on seed means (`m[policy][metric]`)."""
+    best_mean = min(m[p]["mean"] for p in STOCK if p in m)
+    best_sp90 = min(m[p]["short_p90"] for p in STOCK if p in m)
+    f, b = m["fair_sched"], m["fcfs"]
+    vals = {"mean <= best stock": (f["mean"] / best_mean, 1.0), "short p90 <= best stock": (f["short_p90"] / best_sp90, 1.0),
+            "p99 <= fcfs": (f["p99"] / b["p99"], 1.0), "long mean <= 1.25x fcfs": (f["long_mean"] / b["long_mean"], 1.25),
+            "tpot <= 1.3x fcfs": (f["tpot"] / b["tpot"], 1.3), "throughput >= 0.98x fcfs": (f["throughput"] / b["throughput"], 0.98)}
+    return {k: {"value": v, "target": t, "met": v >= t if "throughput" in k else v <= t} for k, (v, t) in vals.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--trace", choices=tr.TRACES, required=True)
+    ap.add_argument("--requests", type=int, default=120)
+    ap.add_argument("--loads", type=float, nargs="+", default=[0.6, 0.85])
+    ap.add_argument("--seeds", type=int, default=2)
+    ap.add_argument("--policies", nargs="+", default=list(POLICIES))
+    ap.add_argument("--chunk", type=int, default=128)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--max-total-tokens", type=int, default=65536)
+    ap.add_argument("--cal-requests", type=int, default=40)
+    ap.add_argument("--fair-env", nargs="*", default=[], help="KLLM_FAIR_SCHED_*=value for the fair_sched server")
+    ap.add_argument("--shared", default="shared 2-core, several helpers", help="what shares the machine")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # leave through the ExitStack: servers stop
+    from kllm_plugins.models.tiny_llama import tiny_llama_path
+
+    long_tokens = 8 * tr.SCALES["cpu"].chunk
+    t_start = time.time()
+    per: dict[tuple[float, str], list[dict[str, float]]] = {}
+    outputs: dict[tuple[float, int, str], dict[str, list[int]]] = {}
+    fair_counters: dict[str, float] = {}
+    with ExitStack() as stack:
+        servers = start_servers(stack, args.policies, args, str(tiny_llama_path()))
+        for name, srv in servers.items():
+            warm_up(srv.base_url, name)
+        burst = jobs_for(args.trace, args.cal_requests, 0.0, 999, long_tokens, "cal")
+        t0 = time.perf_counter()
+        run_jobs(servers["fcfs"].base_url, burst)
+        capacity = args.cal_requests / (time.perf_counter() - t0)
+        print(f"capacity {capacity:.3f} req/s ({args.trace}, burst of {args.cal_requests})", flush=True)
+        for seed in range(args.seeds):
+            order = list(args.policies) if seed % 2 == 0 else list(reversed(args.policies))
+            for policy in order:
+                srv = servers[policy]
+                for load in args.loads:
+                    jobs = jobs_for(args.trace, args.requests, load * capacity, seed, long_tokens, f"l{load}")
+                    flush_cache(srv)
+                    before = counters(srv) if policy == "fair_sched" else {}
+                    t0 = time.perf_counter()
+                    outs = run_jobs(srv.base_url, jobs)
+                    row = run_summary(outs, time.perf_counter() - t0)
+                    per.setdefault((load, policy), []).append(row)
+                    outputs[(load, seed, policy)] = {o.rid: o.output_ids for o in outs}
+                    if before:
+                        after = counters(srv)
+                        for k, v in after.items():
+                            fair_counters[k] = fair_counters.get(k, 0) + v - before.get(k, 0)
+                    print(f"[{time.time() - t_start:5.0f}s] {policy}@{load}/s{seed}: " +
+                          " ".join(f"{k}={v:.3f}" for k, v in row.items()) + f" loadavg={os.getloadavg()[0]:.1f}", flush=True)
+    cells: dict[str, Any] = {}
+    lines = []
+    for load in args.loads:
+        m = {p: {k: statistics.fmean(x[k] for x in per[(load, p)]) for k in METRICS} for p in args.policies}
+        spread = {p: {k: [min(x[k] for x in per[(load, p)]), max(x[k] for x in per[(load, p)])] for k in METRICS}
+                  for p in args.policies}
+        ratios = {base: {k: m["fair_sched"][k] / m[base][k] for k in METRICS} for base in args.policies if base != "fair_sched"}
+        ident = {p: sum(outputs[(load, s, p)][rid] == outputs[(load, s, "fcfs")].get(rid)
+                        for s in range(args.seeds) for rid in outputs[(load, s, p)]) /
+                 sum(len(outputs[(load, s, p)]) for s in range(args.seeds)) for p in args.policies if p != "fcfs"}
+        tg = targets(m)
+        cells[str(load)] = {"rate_req_s": load * capacity, "seed_mean": m, "min_max_over_seeds": spread,
+                            "fair_sched_ratio_to": ratios, "outputs_identical_to_fcfs": ident, "targets": tg}
+        lines.append(f"{args.trace} @ {load} ({load * capacity:.3f} req/s), seed means over {args.seeds} seeds; "
+                     f"fair_sched / policy in brackets")
+        lines.append(f"  {'metric':11s}" + "".join(f"{p:>28s}" for p in args.policies))
+        for k in METRICS:
+            lines.append(f"  {k:11s}" + "".join(
+                f"{(f'{m[p][k]:.3f} [{ratios[p][k]:.2f}x]' if p != 'fair_sched' else f'{m[p][k]:.3f}'):>28s}" for p in args.policies))
+        lines.append("  targets: " + "; ".join(f"{k} {v['value']:.2f} {'ok' if v['met'] else 'MISS'}" for k, v in tg.items()))
+        lines.append("  outputs identical to fcfs: " + ", ".join(f"{p} {v:.0%}" for p, v in ident.items()))
+    print("\n".join(lines), flush=True)
+    command = "flock /tmp/kllm-bench.lock python " + " ".join(sys.argv)
+    met = sum(all(v["met"] for v in c["targets"].values()) for c in cells.values())
+    summary = build_summary(command, {"cells": cells, "cells_meeting_every_target": f"{met}/{len(cells)}",
+                                      "fair_sched_counters": fair_counters},
+                            shared=args.shared, trace=args.trace, chunk=args.chunk, requests_per_run=args.requests,
+                            seeds=args.seeds, capacity_req_s=capacity, long_prompt_over_tokens=long_tokens,
+                            fair_env=args.fair_env, wall_s=round(time.time() - t_start),
+                            notes="real CPU SGLang servers (kllm_cpu), tiny model float32, greedy; policies interleaved "
+                                  "per seed (ABBA); ratios on seed means")
+    path = args.out or str(result_path("fair_sched", f"server_{args.trace}_{args.chunk}"))
+    write_summary(path, summary)
+    print(f"wrote {path}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
