@@ -22,7 +22,7 @@ import pytest
 
 from kllm_plugins.models.tiny_llama import tiny_llama_path
 from kllm_plugins.testing.hf_reference import hf_greedy
-from kllm_plugins.plugins.kv_tiers.testing import flush, kv_tiers_stats, l3_args, wait_stats
+from kllm_plugins.plugins.kv_tiers.testing import flush, l3_args, wait_stats
 from kllm_plugins.testing.sglang_server import SGLangServer
 
 pytestmark = [pytest.mark.sglang, pytest.mark.e2e, pytest.mark.slow]
@@ -58,7 +58,9 @@ def _scene(tmp_path: Any, hold: bool) -> tuple[list[dict[str, Any]], float, dict
     try:
         for p in PREFIXES:  # each prefix into L3 (written through L2)
             server.generate(input_ids=p, max_new_tokens=1)
-        wait_stats(server, lambda s: s.get("pages_admitted", 0) >= N_REUSE * PREFIX_PAGES, 30.0)
+        # pages reach L3 after their requests were admitted: this snapshot counts those admissions
+        warm = wait_stats(server, lambda s: s.get("pages_admitted", 0) >= N_REUSE * PREFIX_PAGES, 120.0)
+        assert warm.get("pages_admitted", 0) >= N_REUSE * PREFIX_PAGES, warm
         flush(server.base_url)  # L1 and L2 emptied: the prefixes are in L3 only
         before = _shortfall(server)
 
@@ -68,7 +70,7 @@ def _scene(tmp_path: Any, hold: bool) -> tuple[list[dict[str, Any]], float, dict
         long = threading.Thread(target=server.generate,
                                 kwargs={"input_ids": LONG, "max_new_tokens": 300, "ignore_eos": True})
         long.start()
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 300
         while len(server.grep_log(decoding)) <= seen and time.monotonic() < deadline:
             time.sleep(0.05)  # the long request is decoding: the reuse requests will queue
 
@@ -80,9 +82,15 @@ def _scene(tmp_path: Any, hold: bool) -> tuple[list[dict[str, Any]], float, dict
             th.start()
             time.sleep(0.05)  # in order: the queue is first come, first served
         for th in [long, *threads]:
-            th.join(timeout=300)
-        time.sleep(1.0)
-        return results, _shortfall(server) - before, kv_tiers_stats(server)
+            th.join(timeout=600)
+        # the snapshot is published every 0.5 s by a thread that a loaded machine can delay: wait
+        # for one that counts all seven admissions (the long request and the six reuse requests)
+        # and, with the hold on, no hold left; the assertions then read a settled state
+        admitted = warm.get("requests_admitted", 0) + 1 + N_REUSE
+        snap = wait_stats(server, lambda s: s.get("requests_admitted", 0) >= admitted
+                          and s.get("admission_holds", {}).get("held_now", 0) == 0, 120.0)
+        assert snap.get("requests_admitted", 0) >= admitted, snap
+        return results, _shortfall(server) - before, snap
     finally:
         server.stop()
 

@@ -99,9 +99,13 @@ def _release_hold(cache: Any, request: Any, outcome: str) -> bool:
 def after_finish_storage_prefetch_admission(result: Any, self: Any, request: Any, fulfilled_tokens: int = 0,
                                             reason: Any = None, *args: Any, **kwargs: Any) -> Any:
     """The request is admitted (its L2 span loaded to the device, or recomputed): release its hold.
-    A held span that still fell short is counted (it should not: the hold is what prevents it)."""
+    A held span that still fell short is counted (it should not: the hold is what prevents it).
+    Every admission is counted (`requests_admitted`, with or without a hold): a reader of the
+    published snapshot can tell it is as recent as the admissions it waits for."""
+    t = state.current()
+    if t is not None:
+        t.count("requests_admitted")
     if _release_hold(self, request, "admitted") and reason == "cache_admission_shortfall":
-        t = state.current()
         assert t is not None
         t.hold_event("held_but_short")
     return None
