@@ -1,7 +1,7 @@
 """Benchmark (GPU machine, plain torch): train DSpark / DFlash-style / EAGLE-style drafters for
 SmolLM2-135M-Instruct on the same data and budget; `drafter_eval.py` then measures them.
 
-Phases (one process each; `device_pipeline.sh` chains them, several per GPU side by side):
+Phases (one process each; `scripts/gpu/dspark_device_pipeline.sh` chains them, several per GPU side by side):
   gen   --shard i --shards n   the target's answers to shard i of the training prompts: greedy, or
                                with --gen-temperature T sampled at T (seeded: --gen-seed + 1000 i);
                                shard 0 also answers the calibration, test and validation prompts,
@@ -22,7 +22,7 @@ Phases (one process each; `device_pipeline.sh` chains them, several per GPU side
                                must build its own (`--no-share`)
 After every evaluation each trainer writes its state to <work>/state_<name>/part_*.pt
 (`train_state.py`: bf16 weights in <= 15 MiB parts, the curve so far); with `--resume` a trainer
-continues from that state (on a fresh machine: carried back in by `device_run.sh put`).
+continues from that state (on a fresh machine: carried back in by `scripts/gpu/dspark_device_run.sh put`).
 Both train phases evaluate the greedy accept length on the validation split (`walk_eval.py`; with
 `--val-metric t1_expected` the expected temperature-1 accept length along answers sampled at 1.0) at
 `--eval-at` progress points, off the training clock: the learning curve; the best point's weights

@@ -1,6 +1,6 @@
 """Benchmark (GPU machine, plain torch): measure trained drafters with the reference loop.
 
-Phases (one process each; `device_pipeline.sh` runs `accept` side by side, `timing` alone per GPU):
+Phases (one process each; `scripts/gpu/dspark_device_pipeline.sh` runs `accept` side by side, `timing` alone per GPU):
   accept --name N     held-out runs at full verify length: accept length per step and per
                       position, verify tokens; greedy by default, with a sampling (temperature 1)
                       accept length on --sample-prompts; with --eval-temperature T > 0 (run 7) the

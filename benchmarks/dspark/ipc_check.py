@@ -1,5 +1,5 @@
 """Benchmark helper (GPU machine): can a spawned process read a CUDA tensor of its parent (CUDA IPC)?
-`device_run.sh stage` runs it; the pipeline falls back to one feature cache per trainer (on a
+`scripts/gpu/dspark_device_run.sh stage` runs it; the pipeline falls back to one feature cache per trainer (on a
 capped share of the data) when it cannot.
 
     python benchmarks/dspark/ipc_check.py   # prints IPC ok / IPC failed

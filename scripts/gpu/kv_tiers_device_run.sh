@@ -3,7 +3,7 @@
 # one-launch page kernels, and the copier as hooked into HiCache on SGLang's buffer shapes), then the
 # copy-bandwidth benchmark of the hooked SGLang layout, old (torch per layer) and new (triton) side
 # by side. Usage (from the repo root, through the device tool; fits a 200 s call):
-#   bash benchmarks/kv_tiers/device_run.sh
+#   bash scripts/gpu/kv_tiers_device_run.sh
 # Writes $OUT/gpu_tests.log, $OUT/bench.log and $OUT/kv_tiers_copy_gpu.json.
 set -u
 mkdir -p /tmp/shim && rm -rf /tmp/shim/kllm_plugins

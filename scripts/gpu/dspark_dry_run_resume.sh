@@ -4,7 +4,7 @@
 # machine (empty work dir) gets config/target/prompts + the returned answers_*.xz and
 # state_*/ carried in and runs "resume" to the end. Checks: generation skipped (restore),
 # trainers resumed at their returned step, the pipeline finished (merge), states returned.
-#   bash benchmarks/dspark/dry_run_resume.sh /tmp/dsp_dry
+#   bash scripts/gpu/dspark_dry_run_resume.sh /tmp/dsp_dry
 set -eu
 D=${1:-/tmp/dsp_dry}
 TINY=$(python -m kllm_plugins.models.tiny_llama)
@@ -23,7 +23,7 @@ export ACCEPT_ARGS="--test-prompts 4 --sample-prompts 2 --max-new 16 ${DRY_ACCEP
 export TIMING_ARGS="--bs16-prompts 4 --bs1-prompts 2 --max-new 8 --cost-batches 1 4"
 export FP32_ARGS="--test-prompts 2 --max-new 8"
 echo "== machine 1: full, cut after LIMIT"
-CARRY=$D/carry1 W=$D/w1 OUT=$D/out1 LIMIT=${LIMIT1:-240} bash benchmarks/dspark/device_run.sh full | grep -v "^-\|^d" || true
+CARRY=$D/carry1 W=$D/w1 OUT=$D/out1 LIMIT=${LIMIT1:-240} bash scripts/gpu/dspark_device_run.sh full | grep -v "^-\|^d" || true
 kill -- -"$(cat $D/w1/pipeline.pid)" 2>/dev/null || true   # machine 1 is gone
 sleep 1
 ls -R $D/out1 | tr '\n' ' '; echo
@@ -31,11 +31,11 @@ mkdir -p $D/carry2a $D/carry2b $D/empty
 cp $D/carry1/config.json $D/carry1/model.safetensors $D/out1/answers_*.xz $D/carry2a/
 cp $D/carry1/prompts.pt $D/carry2b/ && cp -r $D/out1/state_* $D/carry2b/
 echo "== machine 2 (fresh): follow finds nothing"
-W=$D/w2 OUT=$D/out2 bash benchmarks/dspark/device_run.sh follow || echo "exit $?"
+W=$D/w2 OUT=$D/out2 bash scripts/gpu/dspark_device_run.sh follow || echo "exit $?"
 echo "== machine 2: stage (target + answers), put (prompts + states), resume (no carry)"
-CARRY=$D/carry2a W=$D/w2 OUT=$D/out2 bash benchmarks/dspark/device_run.sh stage 2>&1 | grep MANIFEST || true
-CARRY=$D/carry2b W=$D/w2 OUT=$D/out2 bash benchmarks/dspark/device_run.sh put
-CARRY=$D/empty W=$D/w2 OUT=$D/out2 LIMIT=${LIMIT2:-400} bash benchmarks/dspark/device_run.sh resume | grep -v "^-\|^d" || true
+CARRY=$D/carry2a W=$D/w2 OUT=$D/out2 bash scripts/gpu/dspark_device_run.sh stage 2>&1 | grep MANIFEST || true
+CARRY=$D/carry2b W=$D/w2 OUT=$D/out2 bash scripts/gpu/dspark_device_run.sh put
+CARRY=$D/empty W=$D/w2 OUT=$D/out2 LIMIT=${LIMIT2:-400} bash scripts/gpu/dspark_device_run.sh resume | grep -v "^-\|^d" || true
 echo "== checks"
 grep -h "GEN restored" $D/w2/logs/gen_*.log | head -2
 grep -h "^RESUME" $D/w2/logs/train_g*.log

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the 2-GPU machine (no SGLang, no internet): the GPU sparse-kernel tests, then every
 # benchmark case under one time budget. Usage (from the repo root, through the device tool):
-#   bash benchmarks/ring_cp/device_run.sh <seconds for the whole script>
+#   bash scripts/gpu/ring_cp_device_run.sh <seconds for the whole script>
 # Writes $OUT/ring_cp.json (.part while running, rewritten after every point), $OUT/bench.log and
 # $OUT/gpu_tests.log. The benchmark gets what the tests leave of the time, minus a margin.
 set -u

@@ -7,7 +7,7 @@
 #   put      carry any further files/dirs under .dspark_carry (part1.pt, the prompt file,
 #            answers_*.xz, state_<drafter>/ dirs): copied into $W, nothing started
 #   full     (= resume) carry the last files (e.g. part1.pt + prompts): when the pipeline is not
-#            running and every input is on the machine, start device_pipeline.sh detached
+#            running and every input is on the machine, start dspark_device_pipeline.sh detached
 #            (trainers resume from $W/state_* where present; answers_*.xz skip generation), then follow
 #   resume   the same; on a warm machine with the pipeline running it only follows
 #   follow   follow the running pipeline (no carry)
@@ -28,7 +28,7 @@ SHIM=${SHIM:-/tmp/shim}
 shim() {  # the package as kllm_plugins.* (plugins/ and hardware/ mapped in) and the bench scripts
   rm -rf $SHIM $W/code && mkdir -p $SHIM $W/code
   cp -r kllm_plugins $SHIM/ && cp -r plugins $SHIM/kllm_plugins/plugins && cp -r hardware $SHIM/kllm_plugins/hardware
-  cp benchmarks/dspark/*.py benchmarks/dspark/device_pipeline.sh $W/code/
+  cp benchmarks/dspark/*.py scripts/gpu/dspark_device_pipeline.sh $W/code/
 }
 put() {
   [ -d $CARRY ] || return 0
@@ -82,7 +82,7 @@ start() {
   if [ -n "$m" ]; then echo "MISSING:$m (a fresh machine: stage/put them first)"; collect; exit 3; fi
   shim
   rm -f $W/stage
-  PYTHONPATH=$SHIM setsid bash $W/code/device_pipeline.sh >> $W/logs/pipeline.log 2>&1 < /dev/null &
+  PYTHONPATH=$SHIM setsid bash $W/code/dspark_device_pipeline.sh >> $W/logs/pipeline.log 2>&1 < /dev/null &
   echo $! > $W/pipeline.pid
   sleep 2
   follow

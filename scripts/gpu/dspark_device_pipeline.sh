@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole GPU evaluation, detached (setsid) by device_run.sh so that it runs on across the
+# The whole GPU evaluation, detached (setsid) by scripts/gpu/dspark_device_run.sh so that it runs on across the
 # device calls that keep the machine: gen -> train (drafters side by side, one feature cache per GPU) -> accept
 # (side by side) -> timing (alone per GPU) + float32 losslessness -> merge. $W/stage says where it is.
 # Sizes come from the environment (defaults: the recorded evaluation). Restartable on a fresh
