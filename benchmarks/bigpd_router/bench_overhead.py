@@ -22,6 +22,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -85,11 +86,14 @@ def main() -> None:
                     help="behind the router: the fake backend (router cost only) or a real SGLang server")
     ap.add_argument("--bs-fake-ttft-s", type=float, default=0.02)
     ap.add_argument("--bs-fake-tpot-s", type=float, default=0.01)
+    ap.add_argument("--bs-baseline-tree", help="also run the router code of this checkout, in the same rounds")
+    ap.add_argument("--bs-max-s", type=float, default=0.0, help="start no round after this many seconds (0: no bound)")
     args = ap.parse_args()
     if args.bench_serving:
         return bench_serving_overhead(args.bench_serving, args.bs_backend, args.rounds, args.bs_prompts,
                                       args.bs_input_len, args.bs_output_len, args.bs_concurrency,
-                                      args.bs_fake_ttft_s, args.bs_fake_tpot_s, not args.no_record)
+                                      args.bs_fake_ttft_s, args.bs_fake_tpot_s, not args.no_record,
+                                      args.bs_baseline_tree, args.bs_max_s)
     load_before = os.getloadavg()
     tmp = tempfile.mkdtemp(prefix="kllm-bench-")
     procs = []
@@ -233,14 +237,17 @@ BS_KEYS = ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "median_tpot_ms", "
 
 
 def bench_serving_overhead(model_path: str, backend: str, rounds: int, num_prompts: int, input_len: int,
-                           output_len: int, concurrency: int, ttft_s: float, tpot_s: float, record: bool) -> None:
+                           output_len: int, concurrency: int, ttft_s: float, tpot_s: float, record: bool,
+                           baseline_tree: str | None = None, max_s: float = 0.0) -> None:
     """`sglang.bench_serving` directly against one backend and through kllm-router to it, interleaved
     (direct, router; then router, direct; ...), the same prompts (seed) for both in a round. The
     backend is the fake one (`fake`: paced tokens, no model, so only the router's cost differs) or a
     real SGLang server on the CPU platform (`sglang`). Added figures per round are router minus
     direct of that round's medians; the cost per output token is the added median TPOT, cross-checked
     against (added E2E - added TTFT) / (output_len - 1). Router CPU per relayed token is the router
-    process's CPU time during its own rounds over the tokens it relayed."""
+    process's CPU time during its own rounds over the tokens it relayed. `baseline_tree`: the router
+    code of another checkout runs as a third target in the same rounds (before/after a change).
+    `max_s` > 0: no new round starts after that many seconds (at least two rounds run)."""
     from kllm_plugins.bench.record import machine_description, record as write_record
     from kllm_plugins.bench.stats import ratio_of_medians, spread
 
@@ -266,24 +273,42 @@ def bench_serving_overhead(model_path: str, backend: str, rounds: int, num_promp
         base = server.base_url
         assert server.proc is not None
         backend_pid = server.proc.pid
-    rport = free_port()
-    router = spawn([*router_cmd("kllm", rport, [base])], f"{tmp}/router.log")
-    procs.append(router)
+    targets = [("direct", base, 0)]
+    for name, tree in [("kllm", None)] + ([("baseline", baseline_tree)] if baseline_tree else []):
+        rport = free_port()
+        cmd = router_cmd("kllm", rport, [base])
+        assert cmd is not None
+        if tree:  # the same command line on another checkout's plugins folder
+            boot = ("import sys, kllm_plugins.plugins as p; p.__path__[:] = [sys.argv.pop(1) + '/plugins']; "
+                    "from kllm_plugins.plugins.bigpd_router.service.cli import main; main()")
+            cmd = [py(), "-c", boot, tree, *cmd[3:]]
+        proc = spawn(cmd, f"{tmp}/router-{name}.log")
+        procs.append(proc)
+        targets.append((name, f"http://127.0.0.1:{rport}", proc.pid))
+    routers = [t[0] for t in targets[1:]]
     rows: list[dict[str, Any]] = []
-    cpu_router = {"direct": 0.0, "kllm": 0.0}
+    cpu_router = {name: 0.0 for name in routers}
     try:
-        wait_http(f"http://127.0.0.1:{rport}/health", 60)
-        targets = [("direct", base), ("kllm", f"http://127.0.0.1:{rport}")]
+        for _, url, pid in targets[1:]:
+            wait_http(url + "/health", 60)
         # warm-up: connections, tokenizer, the server's first batches
-        for _, url in targets:
+        for _, url, _ in targets:
             _bench_serving_once(url, model_path, max(4, concurrency), input_len, output_len, concurrency, 999,
                                 f"{tmp}/warm.jsonl")
+        t_start = time.monotonic()
         for rnd in range(rounds):
-            for name, url in (targets if rnd % 2 == 0 else targets[::-1]):
-                c0 = cpu_seconds(router.pid)
+            if max_s and rnd >= 2 and time.monotonic() - t_start > max_s:
+                print(f"time budget {max_s:.0f} s spent: {rnd} rounds of {rounds}", flush=True)
+                rounds = rnd
+                break
+            k = rnd % len(targets)  # the order rotates (and reverses every other round)
+            order = targets[k:] + targets[:k]
+            for name, url, pid in (order if rnd % 2 == 0 else order[::-1]):
+                c0 = cpu_seconds(pid) if pid else 0.0
                 res = _bench_serving_once(url, model_path, num_prompts, input_len, output_len, concurrency, rnd,
                                           f"{tmp}/{name}-{rnd}.jsonl")
-                cpu_router[name] += cpu_seconds(router.pid) - c0
+                if pid:
+                    cpu_router[name] += cpu_seconds(pid) - c0
                 row = {"round": rnd, "target": name, "completed": res["completed"],
                        "output_tokens": res["total_output_tokens"]}
                 row.update({k: round(float(res[k]), 3) for k in BS_KEYS})
@@ -295,33 +320,44 @@ def bench_serving_overhead(model_path: str, backend: str, rounds: int, num_promp
         if server is not None:
             server.stop()
     by = {(r["round"], r["target"]): r for r in rows}
-    pairs = [(by[(k, "kllm")], by[(k, "direct")]) for k in range(rounds)]
 
-    def added(key: str) -> dict[str, Any]:
-        return spread([round(r[key] - d[key], 4) for r, d in pairs])
+    def figures(router: str) -> dict[str, Any]:
+        pairs = [(by[(k, router)], by[(k, "direct")]) for k in range(rounds)]
 
-    def ratio(key: str) -> dict[str, Any]:
-        return ratio_of_medians([r[key] for r, _ in pairs], [d[key] for _, d in pairs])
+        def added(key: str) -> dict[str, Any]:
+            return spread([round(r[key] - d[key], 4) for r, d in pairs])
 
-    via_e2e = [round(((r["median_e2e_latency_ms"] - d["median_e2e_latency_ms"])
-                      - (r["median_ttft_ms"] - d["median_ttft_ms"])) / max(1, output_len - 1), 4) for r, d in pairs]
-    relayed = sum(r["output_tokens"] for r, _ in pairs)
-    metrics = {
-        "added_median_ttft_ms": added("median_ttft_ms"),
-        "added_p99_ttft_ms": added("p99_ttft_ms"),
-        "added_median_tpot_ms": added("median_tpot_ms"),
-        "added_median_itl_ms": added("median_itl_ms"),
-        "added_per_token_ms_from_e2e": spread(via_e2e),
-        "added_median_e2e_ms": added("median_e2e_latency_ms"),
-        "ratio_median_ttft": ratio("median_ttft_ms"),
-        "ratio_median_tpot": ratio("median_tpot_ms"),
-        "ratio_median_e2e": ratio("median_e2e_latency_ms"),
-        "direct_median_ttft_ms": spread([d["median_ttft_ms"] for _, d in pairs]),
-        "direct_median_tpot_ms": spread([d["median_tpot_ms"] for _, d in pairs]),
-        "router_cpu_us_per_token": round(cpu_router["kllm"] * 1e6 / max(1, relayed), 1),
-        "router_cpu_s_idle_during_direct_rounds": round(cpu_router["direct"], 3),
-        "failed": sum(2 * num_prompts - r["completed"] - d["completed"] for r, d in pairs),
-    }
+        def ratio(key: str) -> dict[str, Any]:
+            return ratio_of_medians([r[key] for r, _ in pairs], [d[key] for _, d in pairs])
+
+        via_e2e = [round(((r["median_e2e_latency_ms"] - d["median_e2e_latency_ms"])
+                          - (r["median_ttft_ms"] - d["median_ttft_ms"])) / max(1, output_len - 1), 4)
+                   for r, d in pairs]
+        relayed = sum(r["output_tokens"] for r, _ in pairs)
+        return {
+            "added_median_ttft_ms": added("median_ttft_ms"),
+            "added_p99_ttft_ms": added("p99_ttft_ms"),
+            "added_median_tpot_ms": added("median_tpot_ms"),
+            "added_median_itl_ms": added("median_itl_ms"),
+            "added_per_token_ms_from_e2e": spread(via_e2e),
+            "added_median_e2e_ms": added("median_e2e_latency_ms"),
+            "ratio_median_ttft": ratio("median_ttft_ms"),
+            "ratio_median_tpot": ratio("median_tpot_ms"),
+            "ratio_median_e2e": ratio("median_e2e_latency_ms"),
+            "router_cpu_us_per_token": round(cpu_router[router] * 1e6 / max(1, relayed), 1),
+            "failed": sum(num_prompts - r["completed"] for r, _ in pairs),
+        }
+
+    metrics = figures("kllm")
+    direct = [by[(k, "direct")] for k in range(rounds)]
+    metrics["direct_median_ttft_ms"] = spread([d["median_ttft_ms"] for d in direct])
+    metrics["direct_median_tpot_ms"] = spread([d["median_tpot_ms"] for d in direct])
+    metrics["direct_failed"] = sum(num_prompts - d["completed"] for d in direct)
+    if baseline_tree:
+        metrics["baseline"] = figures("baseline")
+        metrics["baseline"]["tree"] = baseline_tree
+        metrics["router_cpu_per_token_vs_baseline"] = round(
+            metrics["router_cpu_us_per_token"] / max(1e-9, metrics["baseline"]["router_cpu_us_per_token"]), 3)
     targets_met = (metrics["added_median_ttft_ms"]["median"] < 1.0
                    and metrics["added_median_tpot_ms"]["median"] < 0.05)
     setup = {"backend": backend, "rounds": rounds, "num_prompts": num_prompts, "input_len": input_len,
@@ -336,7 +372,11 @@ def bench_serving_overhead(model_path: str, backend: str, rounds: int, num_promp
           f"added median TPOT {metrics['added_median_tpot_ms']['median']:.4f} ms "
           f"[{metrics['added_median_tpot_ms']['min']:.4f}, {metrics['added_median_tpot_ms']['max']:.4f}], "
           f"per token from E2E {metrics['added_per_token_ms_from_e2e']['median']:.4f} ms, router CPU "
-          f"{metrics['router_cpu_us_per_token']} us/token; targets met: {targets_met}; load average "
+          f"{metrics['router_cpu_us_per_token']} us/token"
+          + (f" (baseline {metrics['baseline']['router_cpu_us_per_token']} us/token, added TTFT "
+             f"{metrics['baseline']['added_median_ttft_ms']['median']:.3f} ms, TPOT "
+             f"{metrics['baseline']['added_median_tpot_ms']['median']:.4f} ms)" if baseline_tree else "")
+          + f"; targets met: {targets_met}; load average "
           f"{load_before[0]:.2f} -> {load_after[0]:.2f}")
     if not record:
         return
