@@ -290,16 +290,29 @@ def main() -> None:
                 row["repeat"] = rep
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+            if not args.no_record:  # after every repeat: a run cut short keeps what it measured
+                record_run(args, summarize(args, rows, quiet=True), rows, probes, t_start)
         for probe in args.probes:
             probes.append(dict(release_probe(model, path, log_dir) if probe == "release"
                                else remote_instance_probe(model, path, log_dir), probe=probe))
             print(json.dumps(probes[-1]), flush=True)
+            if not args.no_record:
+                record_run(args, summarize(args, rows, quiet=True), rows, probes, t_start)
+    summary = summarize(args, rows)
+    if args.no_record:
+        return
+    record_run(args, summary, rows, probes, t_start)
+
+
+def summarize(args: argparse.Namespace, rows: list[dict[str, Any]], quiet: bool = False) -> dict[str, Any]:
+    """Per model and path: spreads of each phase over repeats, and ratios to cold (printed unless quiet)."""
+    say = (lambda *a: None) if quiet else print
     summary: dict[str, Any] = {}
-    print("\nREAL SGLang CPU servers; seconds from the scale-up decision, median (min-max) over repeats")
+    say("\nREAL SGLang CPU servers; seconds from the scale-up decision, median (min-max) over repeats")
     for model in args.models:
         summary[model] = {}
         cols = [h for h in args.paths if any(r["model"] == model and r["path"] == h for r in rows)]
-        print(f"\n{model}: " + " | ".join(f"{h:>22}" for h in cols))
+        say(f"\n{model}: " + " | ".join(f"{h:>22}" for h in cols))
         names = [n for n, _, _ in PHASES] + ["promote_and_register", "decision_to_served_s"]
         for name in names:
             cells = []
@@ -314,16 +327,14 @@ def main() -> None:
                 else:
                     cells.append(f"{'-':>22}")
             if any(c.strip() != "-" for c in cells):
-                print(f"  {name:<22} " + " | ".join(f"{c:>22}" for c in cells))
+                say(f"  {name:<22} " + " | ".join(f"{c:>22}" for c in cells))
         for h in cols:
             if h != "cold" and "cold" in summary[model] and h in summary[model]:
                 ratio = summary[model][h]["decision_to_served_s"]["median"] / summary[model]["cold"][
                     "decision_to_served_s"]["median"]
                 summary[model][h]["vs_cold_median_ratio"] = round(ratio, 4)
-                print(f"  {h} / cold (medians): {ratio:.3f}x")
-    if args.no_record:
-        return
-    record_run(args, summary, rows, probes, t_start)
+                say(f"  {h} / cold (medians): {ratio:.3f}x")
+    return summary
 
 
 def record_run(args: argparse.Namespace, summary: dict[str, Any], rows: list[dict[str, Any]],
