@@ -161,8 +161,11 @@ def plan_stock(e: Engine, policy: str) -> list[tuple[Req, int]]:
 class FairSingle:
     """The plugin's FairPolicy on SGLang's single partial slot (what the adapter does)."""
 
-    def __init__(self, params: QuotaParams) -> None:
+    def __init__(self, params: QuotaParams, mixed: bool = False) -> None:
         self.pol = FairPolicy(params)
+        self.mixed = mixed
+        """SGLang's mixed chunk (`mixed_decode`): running requests decode one token in every
+        prefill pass, each taking one token of the pass budget."""
 
     def plan(self, e: Engine) -> list[tuple[Req, int]] | None:
         pol, p = self.pol, self.pol.params
@@ -177,7 +180,7 @@ class FairSingle:
         if plan.action == "admit":
             plan = None
         rows: list[tuple[Req, int]] = []
-        budget = e.chunk
+        budget = max(e.chunk - len(e.running), 1) if self.mixed else e.chunk
         parked = plan is not None and plan.action == "yield"
         slot_free = c is None
         if c is not None and not parked:
@@ -235,7 +238,7 @@ def make_policy(name: str, chunk: int, cfg: FairSchedConfig, max_partial: int = 
         return name
     qp = cfg.quota_params(chunk)
     if name == "fair_sched":
-        return FairSingle(qp)
+        return FairSingle(qp, cfg.mixed_decode)
     pp = PartialParams(chunk, qp.short_extra_tokens, max_partial, 1, 0, qp.age_weight)
     return FairMulti(pp, qp)
 
@@ -258,6 +261,15 @@ def simulate(trace: list[TraceRequest], rate: float, policy: Any, chunk: int, cm
         rows = plan_stock(e, policy) if isinstance(policy, str) else policy.plan(e)
         if rows:
             e.t += cm.prefill([(k, r.done) for r, k in rows])
+            if getattr(policy, "mixed", False) and e.running:
+                # mixed chunk: the running requests decode one token inside this pass
+                e.t += cm.decode([r.work + r.tokens for r in e.running]) - cm.dec_base
+                for r in list(e.running):
+                    r.tokens += 1
+                    if r.tokens >= r.out:
+                        r.finish_s = e.t
+                        e.running.remove(r)
+                        finished += 1
             e.passes += 1
             for r, k in rows:
                 if r.start_pass < 0:
