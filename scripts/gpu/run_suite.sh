@@ -49,8 +49,11 @@ for suite in "$@"; do
       $PY scripts/gpu/summarize_junit.py "$OUT/smollm2-junit.xml" smollm2 "$OUT/smollm2.json" ;;
     incr_prefix|router|fair_sched)
       case $suite in incr_prefix) extra=${INCR_ARGS:-} ;; router) extra=${ROUTER_ARGS:-} ;; *) extra=${FAIR_ARGS:-} ;; esac
-      timeout --kill-after=20 "${KLLM_STEP_TIMEOUT_S:-600}" $PY "benchmarks/gpu/${suite}_gpu.py" --out "$OUT/$suite.json" \
-        $extra > "$OUT/$suite.log" 2>&1; r=$? ;;
+      script=$suite; [ "$suite" = router ] && script=router_overhead
+      timeout --kill-after=20 "${KLLM_STEP_TIMEOUT_S:-600}" $PY "benchmarks/gpu/${script}_gpu.py" --out "$OUT/$suite.json" \
+        $extra > "$OUT/$suite.log" 2>&1; r=$?
+      # its SGLang servers run in sessions of their own: a step cut at its limit leaves them on the GPU
+      nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | xargs -r kill -9 2>/dev/null ;;
     *) echo "unknown suite $suite"; r=2 ;;
   esac
   echo "suite $suite: rc=$r in $(( $(date +%s) - start )) s"
