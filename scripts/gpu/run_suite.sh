@@ -52,8 +52,9 @@ for suite in "$@"; do
       script=$suite; [ "$suite" = router ] && script=router_overhead
       timeout --kill-after=20 "${KLLM_STEP_TIMEOUT_S:-600}" $PY "benchmarks/gpu/${script}_gpu.py" --out "$OUT/$suite.json" \
         $extra > "$OUT/$suite.log" 2>&1; r=$?
-      # its SGLang servers run in sessions of their own: a step cut at its limit leaves them on the GPU
-      nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | xargs -r kill -9 2>/dev/null ;;
+      # its SGLang servers run in sessions of their own: a step cut at its limit leaves them on the GPU.
+      # On the lent machine (every GPU process ours) KLLM_DEVICE_CLEANUP=1 ends them; never elsewhere
+      [ "${KLLM_DEVICE_CLEANUP:-0}" = 1 ] && nvidia-smi --query-compute-apps=pid --format=csv,noheader | xargs -r kill -9 ;;
     *) echo "unknown suite $suite"; r=2 ;;
   esac
   echo "suite $suite: rc=$r in $(( $(date +%s) - start )) s"
