@@ -82,8 +82,17 @@ STOCK_FAILS: dict[str, str] = {
                         "2-core CPU with torch_native attention",
 }
 
-# (profile, kit method) -> the plugin bug the kit found
-PLUGIN_FAILS: dict[tuple[str, str], str] = {}
+# stock failures that depend on the machine's speed (not strict anywhere): on a quiet 2-core
+# machine the ~8k-token prefill fits the kit's 120 s timeout (62.6 s in the full run), loaded it does not
+TIMING_DEPENDENT = {"test_long_prompt"}
+
+# (profile, kit method) -> what the kit found with that set-up only
+PLUGIN_FAILS: dict[tuple[str, str], str] = {
+    ("router", "test_health_generate"): "kllm-router answers /health_generate with 404 (it routes /health, "
+                                        "not SGLang's generate-probe endpoint)",
+}
+ROUTER_BATCH = ("kllm-router refuses batched /generate (a list of input_ids) with a 400 by design: "
+                "'send one request each'")
 
 
 def _id(case: tuple[type, str]) -> str:
@@ -99,7 +108,7 @@ def _marks(profile: str, method: str) -> list[Any]:
     marks = [pytest.mark.slow] if method in SLOW else []
     if method in STOCK_FAILS:
         marks.append(pytest.mark.xfail(reason=f"fails on stock SGLang too: {STOCK_FAILS[method]}",
-                                       strict=profile == "stock"))
+                                       strict=profile == "stock" and method not in TIMING_DEPENDENT))
     if (profile, method) in PLUGIN_FAILS:
         marks.append(pytest.mark.xfail(reason=PLUGIN_FAILS[(profile, method)], strict=True))
     return marks
@@ -115,11 +124,13 @@ def test_kit(setup: Any, case: tuple[type, str]) -> None:
              cache_chunk_size=setup.profile.page_size, **TUNING.get(kit, {}))
 
 
-def test_radix_cache_server_kit_tree(setup: Any) -> None:
+def test_radix_cache_server_kit_tree(setup: Any, request: pytest.FixtureRequest) -> None:
     """radix_cache_server_kit: one /generate batch of prompts that form a random radix tree (the
     kit's own generator, seeded, 12 nodes of up to 16 tokens instead of 400 of 256: a CPU); every
     request answers with as many tokens as it asked for, and a second pass over the same tree hits
     the prefix cache for most of its prompt tokens."""
+    if setup.profile.router:
+        request.applymarker(pytest.mark.xfail(reason=ROUTER_BATCH, strict=True))
     random.seed(28)
     nodes = gen_radix_tree(num_nodes=12, chunk_len=16)
     for n in nodes:  # the kit's root asks for 217 tokens: at most 16 each here
