@@ -3,40 +3,17 @@ against real servers, one request in flight per server (hit rate and TTFT) or an
 arrival schedule (throughput and TTFT under load), and the per-cell figures."""
 from __future__ import annotations
 
-import json
-import random
 import statistics
 import threading
 import time
-import urllib.request
 from typing import Any
 
-from kllm_plugins.bench import schedule
+from kllm_plugins.bench import schedule, stats
+from kllm_plugins.bench.client import stream_generate
+from kllm_plugins.bench.schedule import assign
 from trace_gen import tokens_for
 
-
-def stream_generate(base_url: str, ids: list[int], max_new_tokens: int) -> tuple[float, float, dict[str, Any]]:
-    body = {"input_ids": ids, "stream": True, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}}
-    req = urllib.request.Request(f"{base_url}/generate", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    t0 = time.perf_counter()
-    ttft = None
-    last: dict[str, Any] = {}
-    with urllib.request.urlopen(req, timeout=600) as r:
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            if ttft is None:
-                ttft = time.perf_counter() - t0
-            last = json.loads(line[5:])
-    return ttft or float("nan"), time.perf_counter() - t0, last.get("meta_info", {})
-
-
-def assign(n: int, servers: int, seed: int) -> list[int]:
-    """The server of each request: a seeded coin, the same for every setup and load step."""
-    rng = random.Random(seed)
-    return [rng.randrange(servers) for _ in range(n)]
+__all__ = ["arrivals", "assign", "measure", "replay_open", "replay_serial", "spread", "stream_generate"]
 
 
 def arrivals(n: int, rate: float, seed: int, scaled: bool = False) -> list[float]:
@@ -103,21 +80,17 @@ def replay_open(urls: list[str], trace: list[dict[str, Any]], picks: list[int], 
     return [x for x in results if x is not None], max(ends) - t0
 
 
-def pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
-
-
 def measure(res: list[dict[str, Any]], makespan: float, slo_pct: float) -> dict[str, Any]:
     total_in = sum(r["input"] for r in res)
     ttfts = [r["ttft_s"] for r in res]
     hit = {k: sum(r[k] for r in res) / total_in for k in ("l1", "l2", "l3")}
     hit["total"] = sum(r["cached"] for r in res) / total_in
     return {"hit_rate": hit, "l3_hit_tokens": sum(r["l3"] for r in res),
-            "ttft_s": {"mean": statistics.fmean(ttfts), "p50": pct(ttfts, 0.5), "p90": pct(ttfts, slo_pct),
-                       "p99": pct(ttfts, 0.99)},
+            "ttft_s": {"mean": statistics.fmean(ttfts), "p50": stats.quantile(ttfts, 0.5),
+                       "p90": stats.quantile(ttfts, slo_pct), "p99": stats.quantile(ttfts, 0.99)},
             "throughput_req_s": len(res) / makespan, "makespan_s": makespan, "requests": len(res)}
 
 
 def spread(values: list[float]) -> dict[str, Any]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "repeats": values}
+    """Median with min/max, p10/p90 and the repeats (the harness's `stats.spread`)."""
+    return stats.spread(values)
