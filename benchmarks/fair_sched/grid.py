@@ -111,11 +111,19 @@ def run_sim_grid(args: Any) -> dict[str, Any]:
            "commit": _commit(), "machine": platform.node() + " (shared, 2 cores; the simulation is deterministic)",
            "chunk": chunk, "requests_per_run": args.requests, "long_prompt_over_tokens": long_tokens,
            "fair_config": {k: v for k, v in vars(cfg).items()}, "wall_s": round(time.time() - t0, 1),
-           "cells_meeting_every_target": met, "cells": cells}
+           "cells_meeting_every_target": met, "cells": cells,
+           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "metrics": headline(cells)}
     with open(out, "w", encoding="utf-8") as fh:
         json.dump(doc, fh, indent=1)
     print(f"wrote {os.path.relpath(out, ROOT)}")
     return doc
+
+
+def headline(cells: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per cell and policy of ours: the target ratios (seed means) and whether all held."""
+    return {f"{c['trace']}@{c['load']}": {p: {**{k: v["value"] for k, v in t.items()}, "all_met": all(v["met"] for v in t.values())}
+                                          for p, t in c["targets"].items()} for c in cells}
 
 
 def format_cell(cell: dict[str, Any], policies: list[str]) -> list[str]:
