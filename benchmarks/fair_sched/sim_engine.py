@@ -243,6 +243,18 @@ def make_policy(name: str, chunk: int, cfg: FairSchedConfig, max_partial: int = 
     return FairMulti(pp, qp)
 
 
+def _decode_one_token(e: Engine) -> int:
+    """Every running request gains one output token; returns how many finished."""
+    done = 0
+    for r in list(e.running):
+        r.tokens += 1
+        if r.tokens >= r.out:
+            r.finish_s = e.t
+            e.running.remove(r)
+            done += 1
+    return done
+
+
 def simulate(trace: list[TraceRequest], rate: float, policy: Any, chunk: int, cm: Costs, seed: int = 0) -> list[Req]:
     """Run `trace` (1 req/s timestamps) at `rate` req/s (0: all at once); return the requests."""
     tie = random.Random(seed)
@@ -264,12 +276,7 @@ def simulate(trace: list[TraceRequest], rate: float, policy: Any, chunk: int, cm
             if getattr(policy, "mixed", False) and e.running:
                 # mixed chunk: the running requests decode one token inside this pass
                 e.t += cm.decode([r.work + r.tokens for r in e.running]) - cm.dec_base
-                for r in list(e.running):
-                    r.tokens += 1
-                    if r.tokens >= r.out:
-                        r.finish_s = e.t
-                        e.running.remove(r)
-                        finished += 1
+                finished += _decode_one_token(e)
             e.passes += 1
             for r, k in rows:
                 if r.start_pass < 0:
@@ -295,12 +302,7 @@ def simulate(trace: list[TraceRequest], rate: float, policy: Any, chunk: int, cm
             if not isinstance(policy, str):
                 policy.note_decode(e.t)
             e.t += cm.decode([r.work + r.tokens for r in e.running])
-            for r in list(e.running):
-                r.tokens += 1
-                if r.tokens >= r.out:
-                    r.finish_s = e.t
-                    e.running.remove(r)
-                    finished += 1
+            finished += _decode_one_token(e)
         elif nxt < len(reqs):
             e.t = max(e.t, reqs[nxt].arrival)
         else:

@@ -76,6 +76,14 @@ class Setup:
         return "tiny-llama (CPU dry run)" if self.cpu else "llama-3.1-8b-shape-random-bf16"
 
 
+def spread(xs: Sequence[float]) -> dict[str, float]:
+    """Median with min, max and count of repeats (the GPU rows' spread)."""
+    s = sorted(xs)
+    mid = len(s) // 2
+    med = s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
+    return {"median": round(med, 4), "min": round(s[0], 4), "max": round(s[-1], 4), "n": len(s)}
+
+
 def header(benchmark: str, command: str, setup: Setup, settings: dict[str, Any]) -> dict[str, Any]:
     return {"benchmark": benchmark, "command": command, "commit": os.environ.get("KLLM_COMMIT", "unknown"),
             "machine": setup.machine(), "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()),

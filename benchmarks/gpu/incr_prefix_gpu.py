@@ -16,13 +16,12 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import statistics
 import sys
 import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_bench_common import Setup, header, log, write  # noqa: E402
+from gpu_bench_common import Setup, header, log, spread, write  # noqa: E402
 
 MODES = {"python-stock": {"KLLM_INCR_PREFIX_ENABLED": "0"}, "python-ours": {"KLLM_INCR_PREFIX_ENABLED": "1"}}
 
@@ -47,10 +46,6 @@ def one(srv: Any, prompt: list[int]) -> dict[str, float]:
     return {"latency_s": latency, "prefill_passes": passes, "gap_total_s": gap, "gap_ms_per_pass": 1e3 * gap / max(1, passes),
             "checkpoints": cks, "checkpoint_ms_per_chunk": 1e3 * ck_s / max(1, cks), "checkpoint_total_s": ck_s,
             "tail_inserts": ia["tail_inserts"] - ib["tail_inserts"], "full_walks": ia["full_walks"] - ib["full_walks"]}
-
-
-def spread(xs: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
 
 
 def main() -> int:

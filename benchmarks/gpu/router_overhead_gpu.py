@@ -24,7 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "fair_sched"))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "bigpd_router"))
-from gpu_bench_common import Setup, header, log, write  # noqa: E402
+from gpu_bench_common import Setup, header, log, spread, write  # noqa: E402
 from loadgen import free_port, py, spawn, stop, wait_http  # noqa: E402
 from serving import Job, run_jobs  # noqa: E402
 
@@ -38,10 +38,6 @@ def measure(url: str, jobs: list[Job], concurrent: bool) -> dict[str, float]:
     assert all(o.output_len == jobs[0].max_new_tokens for o in outs), [o.output_len for o in outs]
     return {"median_ttft_ms": 1e3 * med([o.ttft_s for o in outs]), "median_tpot_ms": 1e3 * med([o.tpot_s for o in outs]),
             "median_e2e_ms": 1e3 * med([o.latency_s for o in outs])}
-
-
-def spread(xs: list[float]) -> dict[str, float]:
-    return {"median": round(med(xs), 4), "min": round(min(xs), 4), "max": round(max(xs), 4), "n": len(xs)}
 
 
 def main() -> int:
