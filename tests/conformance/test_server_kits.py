@@ -88,8 +88,6 @@ TIMING_DEPENDENT = {"test_long_prompt"}
 
 # (profile, kit method) -> what the kit found with that set-up only
 PLUGIN_FAILS: dict[tuple[str, str], str] = {
-    ("router", "test_health_generate"): "kllm-router answers /health_generate with 404 (it routes /health, "
-                                        "not SGLang's generate-probe endpoint)",
 }
 ROUTER_BATCH = ("kllm-router refuses batched /generate (a list of input_ids) with a 400 by design: "
                 "'send one request each'")

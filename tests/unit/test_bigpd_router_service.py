@@ -277,6 +277,28 @@ def test_health_checks_mark_down_and_back_up() -> None:
     run(go)
 
 
+def test_health_generate_asks_the_instances_own_probe() -> None:
+    async def go() -> None:
+        a, b = FakeBackend(), FakeBackend()
+        async with cluster([a, b], RouterConfig(**FAST)) as (router, rurl, urls), aiohttp.ClientSession() as s:
+            b.healthy = False
+            async with s.get(rurl + "/health_generate") as r:
+                assert r.status == 200 and (await r.json())["status"] == "ok"
+            a.healthy = False
+            async with s.get(rurl + "/health_generate") as r:
+                assert r.status == 503 and (await r.json())["failing_roles"] == ["plain"]
+            a.healthy = True  # back once the health loop has it routable again
+            status = 0
+            for _ in range(200):
+                async with s.get(rurl + "/health_generate") as r:
+                    status = r.status
+                if status == 200:
+                    break
+                await asyncio.sleep(0.05)
+            assert status == 200
+    run(go)
+
+
 def test_slo_load_reflects_measured_ttft() -> None:
     async def go() -> None:
         a = FakeBackend(ttft_s=0.2, tpot_s=0.01)

@@ -1,6 +1,7 @@
 """Layer: service (no SGLang import). Endpoints other than generation: health, metrics, models, admin.
 
-`GET /health` (503 while no instance can serve or while shutting down), `GET /metrics`
+`GET /health` (503 while no instance can serve or while shutting down), `GET /health_generate`
+(SGLang's generate probe, 200 when each serving role has an instance whose own probe passes), `GET /metrics`
 (Prometheus), `GET /v1/models` and model info passed through to an instance, `/server_info`
 (an instance's, or in PD mode `{"prefill": [...], "decode": [...]}` as SGLang's own router answers),
 `/flush_cache` sent to every instance, and the admin API:
@@ -31,6 +32,7 @@ class AdminApi:
         self.r = router
         self.routes: dict[tuple[str, str], Callable[[Exchange], Awaitable[None]]] = {
             ("GET", "/health"): self.health,
+            ("GET", "/health_generate"): self.health_generate,
             ("GET", "/metrics"): self.metrics,
             ("GET", "/admin/instances"): self.list_instances,
             ("POST", "/admin/instances"): self.add_instance,
@@ -122,6 +124,32 @@ class AdminApi:
         pd = r.pd_mode()
         ok = not r.shutting_down and (pd or bool(r.registry.pool(Role.PLAIN, routable_only=True)))
         ex.reply_json(200 if ok else 503, {"status": "ok" if ok else "unavailable", "mode": "pd" if pd else "plain"})
+
+    async def health_generate(self, ex: Exchange) -> None:
+        """SGLang's `/health_generate` (a real generation) asked of the instances: 200 when every role
+        the router serves with (plain, or prefill and decode) has a routable instance that passes it."""
+        r = self.r
+        session = r.session
+        assert session is not None
+        roles = (Role.PREFILL, Role.DECODE) if r.pd_mode() else (Role.PLAIN,)
+        timeout = aiohttp.ClientTimeout(total=max(20.0, r.cfg.health_interval_s))
+
+        async def passes(url: str) -> bool:
+            try:
+                async with session.get(url + "/health_generate", timeout=timeout) as resp:
+                    return resp.status == 200
+            except NET_ERRORS:
+                return False
+
+        failing = []
+        for role in roles:
+            insts = r.registry.pool(role, routable_only=True)
+            results = await asyncio.gather(*(passes(i.url) for i in insts)) if insts else []
+            if r.shutting_down or not any(results):
+                failing.append(role.value)
+        if failing:
+            return ex.reply_json(503, {"status": "unavailable", "failing_roles": failing})
+        ex.reply_json(200, {"status": "ok", "mode": "pd" if r.pd_mode() else "plain"})
 
     async def metrics(self, ex: Exchange) -> None:
         from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest

@@ -73,6 +73,7 @@ class FakeBackend:
         app.router.add_get("/get_model_info", self.model_info)
         app.router.add_route("*", "/flush_cache", self.flush_cache)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/health_generate", self.health)
         app.router.add_get("/server_info", self.server_info)
         app.router.add_get("/v1/loads", self.loads)
         app.router.add_get("/v1/models", self.models)
