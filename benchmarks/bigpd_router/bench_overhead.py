@@ -27,6 +27,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
 from loadgen import closed_loop, free_port, merge_results, open_loop, py, spawn, stop, wait_http  # noqa: E402
+from kllm_plugins.testing.sglang_server import flush_cache  # noqa: E402
 
 FAKE = "kllm_plugins.plugins.bigpd_router.service.fake_backend"
 
@@ -301,9 +302,12 @@ def bench_serving_overhead(model_path: str, backend: str, rounds: int, num_promp
                 print(f"time budget {max_s:.0f} s spent: {rnd} rounds of {rounds}", flush=True)
                 rounds = rnd
                 break
-            k = rnd % len(targets)  # the order rotates (and reverses every other round)
-            order = targets[k:] + targets[:k]
-            for name, url, pid in (order if rnd % 2 == 0 else order[::-1]):
+            # the order rotates, so each target takes each position equally often over the rounds;
+            # the backend's prefix cache is emptied before each target, or whichever runs second in a
+            # round would find the same prompts cached
+            k = rnd % len(targets)
+            for name, url, pid in targets[k:] + targets[:k]:
+                flush_cache(targets[0][1])
                 c0 = cpu_seconds(pid) if pid else 0.0
                 res = _bench_serving_once(url, model_path, num_prompts, input_len, output_len, concurrency, rnd,
                                           f"{tmp}/{name}-{rnd}.jsonl")
