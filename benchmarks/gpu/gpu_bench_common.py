@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from kllm_plugins.bench.stats import spread  # noqa: F401  (re-exported for the drivers)
 from serving_speed import LLAMA_8B  # noqa: F401  (the one definition of the shape)
 
 GPU_ENV = {"SGLANG_PLATFORM": "kllm_cuda", "KLLM_CUDA_GRAPHS": "1"}
@@ -74,14 +75,6 @@ class Setup:
 
     def model_name(self) -> str:
         return "tiny-llama (CPU dry run)" if self.cpu else "llama-3.1-8b-shape-random-bf16"
-
-
-def spread(xs: Sequence[float]) -> dict[str, float]:
-    """Median with min, max and count of repeats (the GPU rows' spread)."""
-    s = sorted(xs)
-    mid = len(s) // 2
-    med = s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
-    return {"median": round(med, 4), "min": round(s[0], 4), "max": round(s[-1], 4), "n": len(s)}
 
 
 def header(benchmark: str, command: str, setup: Setup, settings: dict[str, Any]) -> dict[str, Any]:
