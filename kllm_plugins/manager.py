@@ -142,11 +142,10 @@ class KllmPluginManager:
             enabled.append(EnabledPlugin(spec, config))
         for ep in enabled:
             obj = self._objects_by_name[ep.spec.name]
-            if self._implements(obj, "kllm_validate"):
-                try:
-                    self._call(obj, "kllm_validate", config=ep.config, enabled=list(selection))
-                except ValueError as exc:
-                    raise KllmConfigError(f"kllm: plugin {ep.spec.name!r}: {exc}") from None
+            try:
+                self._call(obj, "kllm_validate", config=ep.config, enabled=list(selection))
+            except ValueError as exc:
+                raise KllmConfigError(f"kllm: plugin {ep.spec.name!r}: {exc}") from None
         return enabled
 
     def activate(self, enabled: list[EnabledPlugin], role: str) -> None:
