@@ -141,11 +141,10 @@ class AdminApi:
             except NET_ERRORS:
                 return False
 
-        failing = []
-        for role in roles:
-            insts = r.registry.pool(role, routable_only=True)
-            results = await asyncio.gather(*(passes(i.url) for i in insts)) if insts else []
-            if r.shutting_down or not any(results):
+        failing = [role.value for role in roles] if r.shutting_down else []
+        for role in () if r.shutting_down else roles:
+            results = await asyncio.gather(*(passes(i.url) for i in r.registry.pool(role, routable_only=True)))
+            if not any(results):
                 failing.append(role.value)
         if failing:
             return ex.reply_json(503, {"status": "unavailable", "failing_roles": failing})
