@@ -91,7 +91,7 @@ def main() -> int:
             if setup.cpu:
                 env["SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"] = "1"
             servers[p] = setup.server(["fair_sched"] if p == "fair_sched" else [], extra, env, a.pool_tokens,
-                                      a.mem_fraction, graphs=True)
+                                      a.mem_fraction, graphs=True, name=f"{p}-{chunk}")
         try:
             t0 = time.perf_counter()
             start_all(list(servers.values()))
@@ -125,7 +125,15 @@ def main() -> int:
                     flush(srv)
                     before = fair_counters(srv) if p == "fair_sched" else {}
                     t0 = time.perf_counter()
-                    outs = run_jobs(srv.base_url, jobs_of(reqs, rate, f"s{seed}", a.trace_chunk, f"{p}-{seed}"))
+                    try:
+                        outs = run_jobs(srv.base_url, jobs_of(reqs, rate, f"s{seed}", a.trace_chunk, f"{p}-{seed}"))
+                    except Exception as exc:  # noqa: BLE001 - recorded with the server's state; the others go on
+                        alive = srv.proc is not None and srv.proc.poll() is None
+                        res.setdefault("errors", []).append({"chunk": chunk, "policy": p, "seed": seed, "error": repr(exc)[:500],
+                                                             "server_alive": alive, "log_tail": srv.log_tail(40)[-4000:]})
+                        write(a.out, res)
+                        log("fair", f"chunk {chunk} {p} s{seed}: FAILED {exc!r} (server alive: {alive})")
+                        continue
                     wall = time.perf_counter() - t0
                     row = {"chunk": chunk, "policy": p, "seed": seed, "rate_req_s": rate, "requests": len(outs),
                            **summarize(outs, wall, solo_fn)}

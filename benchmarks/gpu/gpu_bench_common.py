@@ -57,12 +57,17 @@ class Setup:
         return {**GPU_ENV, "KLLM_CUDA_GRAPHS": "1" if graphs else "0"}
 
     def server(self, plugins: Sequence[str], extra: Sequence[str], env: dict[str, str], max_total_tokens: int,
-               mem_fraction: float, graphs: bool = True, strict: bool = True) -> Any:
+               mem_fraction: float, graphs: bool = True, strict: bool = True, name: str = "") -> Any:
+        """`name`: with KLLM_SERVER_LOG_DIR set (the device suite sets it to its output folder), the
+        server's log is written there as server-<name>.log and comes back with the call."""
         from kllm_plugins.testing.sglang_server import SGLangServer
 
+        log_dir = os.environ.get("KLLM_SERVER_LOG_DIR")
+        log_path = os.path.join(log_dir, f"server-{name}.log") if log_dir and name else None
         return SGLangServer(self.model, plugins=list(plugins), extra_args=[*self.args(mem_fraction, graphs), *extra],
                             env={**self.env(graphs), **env}, cpu_platform=self.cpu, max_total_tokens=max_total_tokens,
-                            startup_timeout_s=600 if self.cpu else 420, strict=strict)
+                            startup_timeout_s=600 if self.cpu else 420, strict=strict,
+                            log_path=log_path)
 
     def machine(self) -> dict[str, Any]:
         if self.cpu:

@@ -21,6 +21,8 @@ bash scripts/gpu/device_setup.sh 2>&1 | tee "$OUT/setup.log" || exit 1
 export KLLM_CACHE_DIR=/tmp/kllm/cache PYTHONUNBUFFERED=1 SGLANG_PLATFORM=kllm_cuda
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH="$(pwd)/scripts/gpu${PYTHONPATH:+:$PYTHONPATH}"
+# the benchmark drivers write their servers' logs here (server-<name>.log), kept to their last lines
+export KLLM_SERVER_LOG_DIR="$OUT"
 PY=python3
 # pytest with a deadline (SIGTERM, then SIGKILL 15 s later) and per-test progress lines
 pytest_limited() {
@@ -62,6 +64,7 @@ for suite in "$@"; do
   tail -5 "$OUT/$suite.log" 2>/dev/null
 done
 rm -f "$OUT"/*-junit.xml
+for f in "$OUT"/server-*.log; do [ -f "$f" ] && tail -n 4000 "$f" > "$f.t" && mv "$f.t" "$f"; done
 # the device tool brings back at most 8 files: the logs and progress lines travel as one archive
 (cd "$OUT" && ls *.log *.jsonl >/dev/null 2>&1 && tar -czf logs.tar.gz *.log *.jsonl && rm -f *.log *.jsonl)
 exit $rc
