@@ -1,6 +1,8 @@
 """Request-level replay for the kv_tiers benchmarks (not collected by pytest): streaming requests
 against real servers, one request in flight per server (hit rate and TTFT) or an open-loop
-arrival schedule (throughput and TTFT under load), and the per-cell figures."""
+arrival schedule (throughput and TTFT under load), and the per-cell figures. Requests are Mooncake
+records (`kllm_plugins.bench.trace`), their tokens from the harness (`trace_gen.request_tokens`), sent
+with the harness's streaming client."""
 from __future__ import annotations
 
 import statistics
@@ -11,7 +13,7 @@ from typing import Any
 from kllm_plugins.bench import schedule, stats
 from kllm_plugins.bench.client import stream_generate
 from kllm_plugins.bench.schedule import assign
-from trace_gen import tokens_for
+from trace_gen import request_tokens
 
 __all__ = ["arrivals", "assign", "measure", "replay_open", "replay_serial", "spread", "stream_generate"]
 
@@ -25,7 +27,7 @@ def arrivals(n: int, rate: float, seed: int, scaled: bool = False) -> list[float
 
 
 def _one(base_url: str, r: dict[str, Any], offset: int, sidx: int) -> dict[str, Any]:
-    ids = tokens_for([h + offset for h in r["hash_ids"]])
+    ids = request_tokens(r, offset)
     ttft, e2e, meta = stream_generate(base_url, ids, int(r["output_length"]))
     d = meta.get("cached_tokens_details") or {}
     return {"ttft_s": ttft, "e2e_s": e2e, "input": len(ids), "cached": int(meta.get("cached_tokens", 0)),

