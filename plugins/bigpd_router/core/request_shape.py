@@ -48,9 +48,9 @@ def _text_of_messages(messages: Any) -> str:
         content = m.get("content")
         if isinstance(content, str):
             parts.append(f"{m['role']}:{content}")
-        elif isinstance(content, list):
+        elif isinstance(content, list):  # only string texts count for affinity; the instance judges the rest
             parts.append(f"{m['role']}:" + "".join(
-                c.get("text", "") for c in content if isinstance(c, dict)))
+                c["text"] for c in content if isinstance(c, dict) and isinstance(c.get("text"), str)))
         elif content is None:
             parts.append(f"{m['role']}:")
         else:
