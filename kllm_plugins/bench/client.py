@@ -1,15 +1,36 @@
-"""One streaming client for SGLang's native HTTP API (`POST /generate` with `"stream": true`).
+"""One streaming client for SGLang's native HTTP API (`POST /generate`, `"stream": true`), in two
+forms that read and time a response the same way.
 
-SGLang-free (standard library only): it reads the server-sent events SGLang writes (`data: {...}`
-lines, `data: [DONE]` last) and times the first token and the whole request on the caller's
-clock. Benchmarks use it instead of writing their own.
+SGLang writes server-sent events: `data: {...}` lines, `data: [DONE]` last. The time to the first
+token is the time to the first `data:` event; the end is the time the response has been read; the
+figures are the last event's (or a non-streamed answer's) `meta_info`. Everything is timed on the
+caller's `time.perf_counter` clock.
+
+- `stream_generate`: blocking, standard library only, one request (the kv_tiers replays).
+- `astream`: asyncio, on a caller's `aiohttp.ClientSession` (many requests in flight: the router
+  benchmarks); it reads the body in the pieces the transport delivers and decodes only the last
+  event, so the client stays cheap at a thousand requests per second. aiohttp is imported by the
+  caller (the `router` extra), not here.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import urllib.request
+from dataclasses import dataclass, field
 from typing import Any
+
+DONE = b"data: [DONE]"
+_TAIL_BYTES = 65536  # the end of a stream kept to decode its last event
+
+
+def data_payload(line: bytes | str) -> str | None:
+    """The JSON text of one `data: {...}` event line; None for other lines and for `[DONE]`."""
+    text = (line.decode(errors="replace") if isinstance(line, bytes) else line).strip()
+    if not text.startswith("data:") or text == "data: [DONE]":
+        return None
+    return text[5:].strip()
 
 
 def stream_generate(base_url: str, input_ids: list[int], max_new_tokens: int, timeout_s: float = 600.0,
@@ -26,10 +47,87 @@ def stream_generate(base_url: str, input_ids: list[int], max_new_tokens: int, ti
     last: dict[str, Any] = {}
     with urllib.request.urlopen(req, timeout=timeout_s) as r:
         for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
+            payload = data_payload(raw)
+            if payload is None:
                 continue
             if ttft is None:
                 ttft = time.perf_counter() - t0
-            last = json.loads(line[5:])
+            last = json.loads(payload)
     return ttft if ttft is not None else float("nan"), time.perf_counter() - t0, last.get("meta_info", {})
+
+
+@dataclass
+class Response:
+    """One request as `astream` saw it. Times are seconds from sending it."""
+
+    status: int = 0  # HTTP status; 0 when the connection failed before one arrived
+    ttft_s: float = float("nan")  # first `data:` event (a non-streamed answer: its whole body)
+    e2e_s: float = float("nan")  # response read to the end (or the failure)
+    last_chunk_s: float = float("nan")  # last piece of the body
+    events: int = 0  # `data:` lines seen, `[DONE]` included
+    done: bool = False  # the stream ended with `data: [DONE]`, or a non-streamed JSON answer was read
+    meta: dict[str, Any] = field(default_factory=dict)  # the last event's (or the answer's) meta_info
+    error: str = ""  # transport error, or the start of an `"error"` in the body
+    broken: bool = False  # the connection failed or was cut (a transport error, not an HTTP answer)
+    headers: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and not self.error
+
+
+async def astream(session: Any, url: str, body: dict[str, Any], *, timeout: Any = None,
+                  meta: bool = True) -> Response:
+    """POST `body` to `url` (a full URL, e.g. `<base>/generate`) on an `aiohttp.ClientSession` and
+    read the answer as `stream_generate` does. Transport errors (aiohttp's `ClientError`, `OSError`,
+    a timeout) come back as `broken` with `error` set and `status` 0 (or the status already
+    received), never raised.
+    `meta=False` skips decoding the last event (load generators that only time requests)."""
+    out = Response()
+    t0 = time.perf_counter()
+    tail = b""
+    try:
+        kwargs = {"json": body} if timeout is None else {"json": body, "timeout": timeout}
+        async with session.post(url, **kwargs) as r:
+            out.status = r.status
+            out.headers = {k: v for k, v in r.headers.items()}
+            async for chunk in r.content.iter_any():
+                now = time.perf_counter() - t0
+                out.last_chunk_s = now
+                n = chunk.count(b"data:")
+                if n and out.events == 0:
+                    out.ttft_s = now
+                out.events += n
+                tail = (tail + chunk)[-_TAIL_BYTES:]
+    except (asyncio.TimeoutError, OSError) as exc:
+        out.error, out.broken = repr(exc)[:200], True
+    except Exception as exc:  # aiohttp.ClientError and its kin, without importing aiohttp here
+        if type(exc).__module__.split(".")[0] != "aiohttp":
+            raise
+        out.error, out.broken = repr(exc)[:200], True
+    out.e2e_s = time.perf_counter() - t0
+    if out.error:
+        return out
+    i = tail.find(b'"error"')
+    if i >= 0 or out.status != 200:
+        out.error = f"{out.status} " + tail[max(0, i):max(0, i) + 200].decode(errors="replace")
+        return out
+    if not out.events:  # a non-streamed answer: its first token is its whole body
+        out.ttft_s, out.done = out.e2e_s, True
+        if meta:
+            try:
+                answer = json.loads(tail)
+            except ValueError:
+                answer = None
+            if isinstance(answer, dict):
+                out.meta = answer.get("meta_info", {}) or {}
+        return out
+    out.done = tail.rstrip().endswith(DONE)
+    if meta:
+        payloads = [p for p in map(data_payload, tail.split(b"\n")) if p is not None]
+        if payloads:
+            try:
+                out.meta = json.loads(payloads[-1]).get("meta_info", {}) or {}
+            except (ValueError, AttributeError):
+                pass
+    return out

@@ -136,6 +136,28 @@ def record(plugin: str, name: str, command: str, metrics: Mapping[str, Any], *, 
     return write_summary(result_path(plugin, name, root), build_summary(command, metrics, **fields))
 
 
+def update_sections(path: Path | str, command_key: str, command: str, sections: Mapping[str, Any],
+                    metrics: Any = None, **fields: Any) -> Path:
+    """Update a combined summary that several commands write (one section each), keeping the rest.
+
+    `sections` replace those keys of the file; `commands[command_key]` becomes `command` and
+    `command` the joined commands (sorted by key); `provenance[command_key]` records this run's
+    commit, date and machine, which also become the file's; `metrics[command_key]` becomes
+    `metrics` when given. `fields` go to `build_summary` (e.g. `shared=`). Returns the path."""
+    path = Path(path)
+    data: dict[str, Any] = load_summary(path) if path.exists() else {}
+    commands = dict(data.get("commands") or {})
+    commands[command_key] = command
+    all_metrics = dict(data.get("metrics") or {})
+    if metrics is not None:
+        all_metrics[command_key] = metrics
+    fresh = build_summary(" && ".join(commands[k] for k in sorted(commands)), all_metrics, **fields)
+    earlier = data.get("provenance")
+    provenance = dict(earlier) if isinstance(earlier, dict) else ({"earlier": earlier} if earlier else {})
+    provenance[command_key] = {k: fresh[k] for k in ("commit", "date", "machine")}
+    return write_summary(path, {**data, **dict(sections), **fresh, "commands": commands, "provenance": provenance})
+
+
 def load_summary(path: Path | str) -> dict[str, Any]:
     data = json.loads(Path(path).read_text(encoding="utf-8"))
     if not isinstance(data, dict):

@@ -60,3 +60,57 @@ def test_a_stream_without_chunks_has_no_first_token_time(sse_server) -> None:  #
     chunks.append(b"data: [DONE]\n\n")
     ttft, e2e, meta = stream_generate(url, [1], 1)
     assert math.isnan(ttft) and e2e >= 0 and meta == {}
+
+
+def _astream(url: str, body: dict[str, Any], **kw: Any) -> Any:
+    aiohttp = pytest.importorskip("aiohttp")
+    from kllm_plugins.bench.client import astream
+
+    async def go() -> Any:
+        async with aiohttp.ClientSession() as s:
+            return await astream(s, url + "/generate", body, **kw)
+
+    import asyncio
+    return asyncio.run(go())
+
+
+def test_astream_reads_a_stream_as_stream_generate_does(sse_server) -> None:  # type: ignore[no-untyped-def]
+    url, bodies, chunks = sse_server
+    chunks += [b'data: {"text": "a", "meta_info": {"completion_tokens": 1}}\n\n',
+               b'data: {"text": "ab", "meta_info": {"completion_tokens": 2, "cached_tokens": 16}}\n\n',
+               b"data: [DONE]\n\n"]
+    r = _astream(url, {"text": "hi", "stream": True})
+    assert bodies == [{"text": "hi", "stream": True}]
+    assert r.ok and r.done and r.status == 200 and r.events == 3
+    assert r.meta == {"completion_tokens": 2, "cached_tokens": 16}
+    assert 0 <= r.ttft_s <= r.last_chunk_s <= r.e2e_s
+    assert r.headers["Content-Type"] == "text/event-stream"
+    assert _astream(url, {"text": "hi", "stream": True}, meta=False).meta == {}
+
+
+def test_astream_reports_a_stream_cut_short_and_an_error_event(sse_server) -> None:  # type: ignore[no-untyped-def]
+    url, _, chunks = sse_server
+    chunks += [b'data: {"text": "a", "meta_info": {}}\n\n']
+    r = _astream(url, {"text": "x", "stream": True})
+    assert r.ok and not r.done  # no [DONE]: the stream ended early
+    chunks += [b'data: {"error": {"message": "stalled"}}\n\n', b"data: [DONE]\n\n"]
+    r = _astream(url, {"text": "x", "stream": True})
+    assert not r.ok and not r.broken and '"error"' in r.error and "stalled" in r.error
+
+
+def test_astream_times_a_plain_answer_and_returns_its_meta(sse_server) -> None:  # type: ignore[no-untyped-def]
+    url, _, chunks = sse_server
+    chunks.append(b'{"text": "ab", "meta_info": {"prompt_tokens": 3}}')
+    r = _astream(url, {"text": "x"})
+    assert r.ok and r.done and r.events == 0 and r.meta == {"prompt_tokens": 3}
+    assert r.ttft_s == r.e2e_s
+
+
+def test_astream_returns_a_refused_connection_as_an_error() -> None:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    r = _astream(f"http://127.0.0.1:{port}", {"text": "x"})
+    assert not r.ok and r.broken and r.status == 0 and r.error and r.e2e_s >= 0

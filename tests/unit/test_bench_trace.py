@@ -60,3 +60,13 @@ def test_schedules_are_seeded_and_scaled():
     assert retime([TraceRecord(9, 1, 1, ())], [0.5])[0].timestamp == 500.0
     with pytest.raises(ValueError, match="rate must be > 0"):
         schedule.poisson(3, 0.0, 1)
+
+
+def test_token_ids_stay_in_the_given_id_range() -> None:
+    from kllm_plugins.bench.trace import TraceRecord, token_ids
+
+    rec = TraceRecord(0.0, 40, 1, (3, 4))
+    ids = token_ids(rec, block_size=16, vocab=3996, low=100)
+    assert len(ids) == 40 and min(ids) >= 100 and max(ids) < 3996
+    assert ids[:32] == token_ids(rec, block_size=16, vocab=3996, low=100)[:32]  # deterministic
+    assert ids[:16] != token_ids(rec, block_size=16, vocab=3996, low=5)[:16]  # the range is part of the mapping
