@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
 import os
 import signal
@@ -39,6 +38,9 @@ import aiohttp
 
 sys.path.insert(0, os.path.dirname(__file__))
 from loadgen import free_port, py, spawn, stop, wait_http  # noqa: E402
+
+from kllm_plugins.bench.client import astream  # noqa: E402
+from kllm_plugins.bench.record import build_summary, result_path, write_summary  # noqa: E402
 
 FAKE = "kllm_plugins.plugins.bigpd_router.service.fake_backend"
 SCENARIOS = ("kill9", "sigstop", "poison", "slowloris", "resets")
@@ -64,16 +66,14 @@ async def stream_one(s: aiohttp.ClientSession, url: str, i: int, bound_s: float)
     body = {"text": f"chaos request {i}", "stream": True, "sampling_params": {"max_new_tokens": 40}}
     try:
         async with asyncio.timeout(bound_s):
-            async with s.post(url + "/generate", json=body) as r:
-                data = await r.read()
+            r = await astream(s, url + "/generate", body, meta=False)
     except TimeoutError:
         return "hung"
-    except (aiohttp.ClientError, OSError) as exc:
-        ERRORS.append(repr(exc)[:200])
+    if r.broken:
+        ERRORS.append(r.error)
         return "error"  # the connection was closed on the client: an answer, if not a polite one
-    if r.status != 200 or b'"error"' in data or not data.rstrip().endswith(b"[DONE]"):
-        i = data.find(b'"error"')
-        ERRORS.append(f"{r.status} " + data[max(0, i):i + 200].decode(errors="replace"))
+    if not r.ok or not r.done:
+        ERRORS.append(r.error or f"{r.status} stream ended without [DONE]")
         return "error"
     return "completed"
 
@@ -255,7 +255,8 @@ def main() -> None:
     ap.add_argument("--fault-after", type=int, default=20, help="completed requests before the fault")
     ap.add_argument("--bound-s", type=float, default=40.0, help="time bound of each request and scenario")
     ap.add_argument("--baseline-tree", help="a checkout whose router code runs the same scenarios")
-    ap.add_argument("--out", default="benchmarks/results/bigpd_router_chaos.json")
+    ap.add_argument("--out", default=str(result_path("bigpd_router", "chaos")),
+                    help="the result summary (default benchmarks/results/bigpd_router/chaos.json)")
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="kllm-chaos-")
@@ -280,17 +281,16 @@ def main() -> None:
     print(f"load average (1/5/15 min) before {load_before}, after {load_after}")
     if args.no_record:
         return
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    summary = {"command": " ".join(["python", *sys.argv]), "commit": commit,
-               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
-               "machine": f"{os.cpu_count()} cores, shared with other work (load average {load_before[0]:.1f} "
-                          f"before, {load_after[0]:.1f} after); loopback; fake backends",
-               "baseline_tree": args.baseline_tree, "budget": args.budget, "concurrency": args.concurrency,
-               "bound_s": args.bound_s, "rows": rows}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as fh:
-        json.dump(summary, fh, indent=1)
-    print(f"recorded {args.out}")
+    metrics: dict[str, Any] = {}
+    for r in rows:  # per router and scenario: what the clients got
+        metrics.setdefault(r["router"], {})[r["scenario"]] = {
+            k: r[k] for k in ("completed", "error", "hung", "detect_s", "backends_dead", "router_tracebacks") if k in r}
+    summary = build_summary(" ".join(["python", *sys.argv]), metrics,
+                            shared=f"shared with other work (load average {load_before[0]:.1f} before, "
+                                   f"{load_after[0]:.1f} after); loopback; fake backends",
+                            baseline_tree=args.baseline_tree, budget=args.budget, concurrency=args.concurrency,
+                            bound_s=args.bound_s, rows=rows)
+    print(f"recorded {write_summary(args.out, summary)}")
 
 
 if __name__ == "__main__":

@@ -19,14 +19,13 @@ import datetime
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
-from loadgen import closed_loop, free_port, merge_results, open_loop, py, spawn, stop, wait_http  # noqa: E402
+from loadgen import closed_loop, free_port, merge_results, open_loop, py, quantile, spawn, stop, wait_http  # noqa: E402
 from kllm_plugins.testing.sglang_server import flush_cache  # noqa: E402
 
 FAKE = "kllm_plugins.plugins.bigpd_router.service.fake_backend"
@@ -63,7 +62,8 @@ def cpu_seconds(pid: int) -> float:
 
 
 def med(xs: list[float]) -> float:
-    return round(statistics.median(xs), 3) if xs else float("nan")
+    """The harness's median (numpy.percentile-compatible), rounded; NaN for no samples."""
+    return round(quantile(xs, 0.5), 3) if xs else float("nan")
 
 
 def main() -> None:
@@ -203,10 +203,10 @@ def main() -> None:
         f"+{r['added_ms']['p99']:.2f} ms (router P99 {r['router_ms']['p99']:.1f}, direct P99 "
         f"{r['direct_ms']['p99']:.1f})" for r in rows)
     maxes = ", ".join(f"{n} {med(v):.0f}" for n, v in max_rps.items() if v) or "not measured"
-    with open("benchmarks/RESULTS.md", "a", encoding="utf-8") as fh:
-        fh.write(f"| bigpd_router | router overhead {datetime.date.today()}, lean data path: 2 fake backends "
-                 f"answering at once, open loop, {args.rounds} interleaved rounds x {args.duration_s:.0f} s, "
-                 f"medians; added P50/P99 over direct; load average before/after {load_before[0]:.2f}/{load_after[0]:.2f} | {summary}; max closed-loop req/s: {maxes} | `{command}` |\n")
+    # the summary line (benchmarks/RESULTS.md is generated from the results files)
+    print(f"| bigpd_router | router overhead {datetime.date.today()}, lean data path: 2 fake backends "
+          f"answering at once, open loop, {args.rounds} interleaved rounds x {args.duration_s:.0f} s, "
+          f"medians; added P50/P99 over direct; load average before/after {load_before[0]:.2f}/{load_after[0]:.2f} | {summary}; max closed-loop req/s: {maxes} | `{command}` |")
 
 
 def _bench_serving_once(url: str, model_path: str, num_prompts: int, input_len: int, output_len: int,

@@ -15,20 +15,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import sys
 import tempfile
 import time
-import urllib.request
 from typing import Any
 
 import aiohttp
 
 sys.path.insert(0, os.path.dirname(__file__))
-from loadgen import free_port, merge_results, py, quantile, spawn, stop, wait_http  # noqa: E402
+from loadgen import free_port, merge_results, py, spawn, stop, wait_http  # noqa: E402
 
-from kllm_plugins.testing.sglang_server import SGLangServer  # noqa: E402
+from kllm_plugins.bench import stats  # noqa: E402
+from kllm_plugins.bench.client import astream  # noqa: E402
+from kllm_plugins.testing.sglang_server import SGLangServer, flush_cache  # noqa: E402
 
 WORDS = ("alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega river mountain forest ocean "
          "cloud stone metal glass paper engine signal vector matrix kernel cache router memory prefix").split()
@@ -51,27 +53,18 @@ async def run_policy(rurl: str, reqs: list[tuple[int, str]], concurrency: int) -
         while not queue.empty():
             _, text = queue.get_nowait()
             body = {"text": text, "stream": True, "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
-            t0 = time.perf_counter()
-            first = None
-            last = b""
-            async with s.post(rurl + "/generate", json=body) as r:
-                assert r.status == 200, await r.text()
-                async for chunk in r.content.iter_any():
-                    if first is None:
-                        first = time.perf_counter() - t0
-                    last = (last + chunk)[-8192:]
-            ttfts.append(first or 0.0)
-            events = [ln for ln in last.split(b"\n") if ln.startswith(b"data:") and b"[DONE]" not in ln]
-            meta = json.loads(events[-1][5:])["meta_info"]
-            cached += meta["cached_tokens"]
-            prompt += meta["prompt_tokens"]
+            r = await astream(s, rurl + "/generate", body)
+            assert r.ok and r.meta, f"{r.status} {r.error}"
+            ttfts.append(0.0 if math.isnan(r.ttft_s) else r.ttft_s)
+            cached += r.meta["cached_tokens"]
+            prompt += r.meta["prompt_tokens"]
 
     t0 = time.perf_counter()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as s:
         await asyncio.gather(*(worker(s) for _ in range(concurrency)))
     wall = time.perf_counter() - t0
-    return {"hit_rate": cached / prompt if prompt else 0.0, "ttft_p50_s": quantile(ttfts, 0.5),
-            "ttft_p90_s": quantile(ttfts, 0.9), "wall_s": wall, "requests": len(reqs),
+    return {"hit_rate": cached / prompt if prompt else 0.0, "ttft_p50_s": stats.quantile(ttfts, 0.5),
+            "ttft_p90_s": stats.quantile(ttfts, 0.9), "wall_s": wall, "requests": len(reqs),
             "prompt_tokens": prompt, "cached_tokens": cached}
 
 
@@ -83,7 +76,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--max-total-tokens", type=int, default=4096)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--results-md", default="benchmarks/RESULTS.md")
+    ap.add_argument("--no-record", action="store_true", help="do not write the results file (smoke runs)")
     args = ap.parse_args()
     from kllm_plugins.models.tiny_llama import tiny_llama_path
 
@@ -100,7 +93,7 @@ def main() -> None:
             s.start()
         for policy in ("round_robin", "slo_affinity"):
             for s in servers:
-                urllib.request.urlopen(urllib.request.Request(s.base_url + "/flush_cache", method="POST"), timeout=30)
+                flush_cache(s.base_url)
             port = free_port()
             cmd = [py(), "-m", "kllm_plugins.plugins.bigpd_router.service.cli", "--port", str(port),
                    "--policy", policy, "--log-level", "WARNING"]
@@ -122,17 +115,13 @@ def main() -> None:
         ratio = aff[key] / rr[key] if rr[key] else float("nan")
         print(f"{key:<14}{rr[key]:>14.3f}{aff[key]:>14.3f}{ratio:>8.2f}")
     cmd = "python " + " ".join(sys.argv)
-    merge_results("routing", [dict(policy=k, **v) for k, v in results.items()], cmd)
-    if args.results_md:
-        new = not os.path.exists(args.results_md)
-        with open(args.results_md, "a", encoding="utf-8") as fh:
-            if new:
-                fh.write("# Benchmark results\n\n")
-            fh.write(f"| bigpd_router | prefix affinity vs round-robin, 2 real tiny-model SGLang servers (CPU), "
-                     f"{args.families} prefix families, {args.requests} req, conc {args.concurrency} | "
-                     f"hit rate {rr['hit_rate']:.2f} -> {aff['hit_rate']:.2f}; TTFT p50 {rr['ttft_p50_s']*1000:.0f} -> "
-                     f"{aff['ttft_p50_s']*1000:.0f} ms ({aff['ttft_p50_s']/rr['ttft_p50_s']:.2f}x), p90 "
-                     f"{rr['ttft_p90_s']*1000:.0f} -> {aff['ttft_p90_s']*1000:.0f} ms | `{cmd}` |\n")
+    if not args.no_record:
+        merge_results("routing", [dict(policy=k, **v) for k, v in results.items()], cmd)
+    print(f"| bigpd_router | prefix affinity vs round-robin, 2 real tiny-model SGLang servers (CPU), "
+          f"{args.families} prefix families, {args.requests} req, conc {args.concurrency} | "
+          f"hit rate {rr['hit_rate']:.2f} -> {aff['hit_rate']:.2f}; TTFT p50 {rr['ttft_p50_s']*1000:.0f} -> "
+          f"{aff['ttft_p50_s']*1000:.0f} ms ({aff['ttft_p50_s']/rr['ttft_p50_s']:.2f}x), p90 "
+          f"{rr['ttft_p90_s']*1000:.0f} -> {aff['ttft_p90_s']*1000:.0f} ms | `{cmd}` |")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 from typing import Any
@@ -190,14 +189,10 @@ def main() -> None:
     command = " ".join(["python", *sys.argv])
     merge_results("scaling", rows, command, keep=lambda r: not r.get("simulated") or not r.get("sweep"),
                   command_key="scaling:frontier")
-    path = "benchmarks/results/bigpd_router.json"
-    with open(path, encoding="utf-8") as fh:
-        data = json.load(fh)
-    data["scaling_equal_attainment"] = {"simulated": True, "train_seeds": args.train_seeds,
-                                        "eval_seeds": args.eval_seeds, "best_fixed_eval_attainment": best_fixed,
-                                        "levels": compare, "command": command}
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(data, fh, indent=1)
+    merge_results("scaling_equal_attainment", {"simulated": True, "train_seeds": args.train_seeds,
+                                               "eval_seeds": args.eval_seeds, "best_fixed_eval_attainment": best_fixed,
+                                               "levels": compare, "command": command},
+                  command, command_key="scaling_equal_attainment")
     lines = []
     for e in compare:
         a = e["train_pick"]
@@ -206,14 +201,14 @@ def main() -> None:
             return "none" if x is None else f"{x['config']} {x['eval_attainment']} / {round(x['eval_instance_seconds'])}"
         lines.append(f"{e['level']}: {cell(f)} vs {cell(p)}"
                      + (f" (x{a['pools_over_fixed_instance_seconds']})" if a.get("pools_over_fixed_instance_seconds") else ""))
-    with open("benchmarks/RESULTS.md", "a", encoding="utf-8") as fh:
-        fh.write(f"| bigpd_router | SIMULATION, equal attainment: shifting trace (decode-heavy, prefill-heavy, quiet; "
-                 f"{args.duration_s:.0f} s), {len(configs)} configurations (fixed: groups x xPyD shapes, "
-                 f"{args.fixed_instances[0]}-{args.fixed_instances[1]} instances; pools: Load target x prefill "
-                 f"minimum, other settings tuned on seeds {args.train_seeds}), cheapest per family reaching each "
-                 f"attainment level, picked on the training seeds, measured on held-out seeds {args.eval_seeds} "
-                 f"(attainment / instance-s) | {'; '.join(lines)}; best fixed held-out attainment {best_fixed} | "
-                 f"`{command}` |\n")
+    # the summary line (benchmarks/RESULTS.md is generated from the results file)
+    print(f"| bigpd_router | SIMULATION, equal attainment: shifting trace (decode-heavy, prefill-heavy, quiet; "
+          f"{args.duration_s:.0f} s), {len(configs)} configurations (fixed: groups x xPyD shapes, "
+          f"{args.fixed_instances[0]}-{args.fixed_instances[1]} instances; pools: Load target x prefill "
+          f"minimum, other settings tuned on seeds {args.train_seeds}), cheapest per family reaching each "
+          f"attainment level, picked on the training seeds, measured on held-out seeds {args.eval_seeds} "
+          f"(attainment / instance-s) | {'; '.join(lines)}; best fixed held-out attainment {best_fixed} | "
+          f"`{command}` |")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,8 @@ import aiohttp
 sys.path.insert(0, os.path.dirname(__file__))
 from loadgen import merge_results  # noqa: E402
 
+from kllm_plugins.bench.client import astream  # noqa: E402
+
 from kllm_plugins.plugins.bigpd_router.actuators.local_process import LocalProcessActuator  # noqa: E402
 from kllm_plugins.plugins.bigpd_router.config import RouterConfig  # noqa: E402
 from kllm_plugins.plugins.bigpd_router.core.registry import Role  # noqa: E402
@@ -53,18 +55,11 @@ async def drive(rurl: str, phases: list[tuple[float, int]], ttft_target: float,
                     i += 1
                     body = {"text": f"phase {p} client {c} request {i} " * reps, "stream": True,
                             "sampling_params": {"max_new_tokens": out, "temperature": 0, "ignore_eos": True}}
-                    t0 = time.monotonic()
-                    first = last = None
-                    events = 0
-                    async with s.post(rurl + "/generate", json=body) as r:
-                        async for chunk in r.content.iter_any():
-                            now = time.monotonic()
-                            first = first if first is not None else now - t0
-                            last = now
-                            events += chunk.count(b"data:")
-                        total += 1
-                        tpot = (last - t0 - first) / max(1, events - 2) if first is not None and last else 0.0
-                        ok += r.status == 200 and first is not None and first <= ttft_target and tpot <= tpot_target
+                    r = await astream(s, rurl + "/generate", body, meta=False)
+                    total += 1
+                    first, last = r.ttft_s, r.last_chunk_s  # NaN when nothing came
+                    tpot = (last - first) / max(1, r.events - 2) if first == first and last == last else 0.0
+                    ok += r.status == 200 and first == first and first <= ttft_target and tpot <= tpot_target
 
             await asyncio.gather(*(client(c) for c in range(clients)))
             per_phase.append((ok, total))
@@ -149,11 +144,11 @@ def main() -> None:
                         f"{', '.join(str(p['attainment']) for p in r['per_phase'])}), {r['instance_seconds']:.0f} "
                         f"instance-s, {r['requests']} req, decisions {r['scale_decisions']}, load average before/after "
                         f"{r['load_avg_1min']}" for r in rows)
-    with open("benchmarks/RESULTS.md", "a", encoding="utf-8") as fh:
-        fh.write(f"| bigpd_router | REAL tiny-model CPU servers (plain servers standing in for pools), shifting mix "
-                 f"(decode-heavy, prefill-heavy, quiet), phases {args.phase_s} s, clients {args.clients}, TTFT <= "
-                 f"{args.ttft_target_s} s, TPOT <= {args.tpot_target_s} s; fixed 2 vs pool 1..2 with controller | "
-                 f"{summary} | `{command}` |\n")
+    # the summary line (benchmarks/RESULTS.md is generated from the results files)
+    print(f"| bigpd_router | REAL tiny-model CPU servers (plain servers standing in for pools), shifting mix "
+          f"(decode-heavy, prefill-heavy, quiet), phases {args.phase_s} s, clients {args.clients}, TTFT <= "
+          f"{args.ttft_target_s} s, TPOT <= {args.tpot_target_s} s; fixed 2 vs pool 1..2 with controller | "
+          f"{summary} | `{command}` |")
 
 
 if __name__ == "__main__":

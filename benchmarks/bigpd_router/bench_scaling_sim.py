@@ -284,11 +284,11 @@ def main() -> None:
 
     command = " ".join(["python", *sys.argv])
     merge_results("scaling", rows, command, keep=lambda r: not r.get("simulated") or r.get("sweep"))
-    with open("benchmarks/RESULTS.md", "a", encoding="utf-8") as fh:
-        fh.write(f"| bigpd_router | SIMULATION: shifting trace (decode-heavy, prefill-heavy, quiet; "
-                 f"{args.duration_s:.0f} s), seeds {args.seeds} (held out from the policy choice), "
-                 f"{args.start_delay_s:.0f} s instance start, pools start at {args.initial}P+{args.initial}D | "
-                 f"SLO attainment (mean, min) / instance-seconds (mean): {'; '.join(summary)} | `{command}` |\n")
+    # the summary line (benchmarks/RESULTS.md is generated from the results files)
+    print(f"| bigpd_router | SIMULATION: shifting trace (decode-heavy, prefill-heavy, quiet; "
+          f"{args.duration_s:.0f} s), seeds {args.seeds} (held out from the policy choice), "
+          f"{args.start_delay_s:.0f} s instance start, pools start at {args.initial}P+{args.initial}D | "
+          f"SLO attainment (mean, min) / instance-seconds (mean): {'; '.join(summary)} | `{command}` |")
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from typing import Any
 
 import aiohttp
 
+from kllm_plugins.bench.client import astream
 from kllm_plugins.bench.record import build_summary, git_commit, result_path, write_summary
 from kllm_plugins.bench.stats import ratio_of_medians, spread
 from kllm_plugins.plugins.bigpd_router.actuators.local_process import LocalProcessActuator
@@ -86,15 +87,10 @@ async def drive(rurl: str, phases: list[tuple[float, int]], out_tokens: int, log
                     body = {"text": prompt(p, c, i), "stream": True,
                             "sampling_params": {"max_new_tokens": out_tokens, "temperature": 0, "ignore_eos": True}}
                     t0 = time.monotonic()
-                    first, status, inst = None, 0, ""
-                    try:
-                        async with s.post(rurl + "/generate", json=body) as r:
-                            status, inst = r.status, r.headers.get("X-Kllm-Instance", "")
-                            async for _ in r.content.iter_any():
-                                first = first if first is not None else time.monotonic() - t0
-                    except (aiohttp.ClientError, asyncio.TimeoutError):
-                        status = -1
-                    log.append((t0, status, first, inst, p))
+                    r = await astream(s, rurl + "/generate", body, meta=False)
+                    status = -1 if r.broken else r.status
+                    first = r.ttft_s if r.ttft_s == r.ttft_s else None
+                    log.append((t0, status, first, r.headers.get("X-Kllm-Instance", ""), p))
 
             await asyncio.gather(*(client(c) for c in range(clients)))
 

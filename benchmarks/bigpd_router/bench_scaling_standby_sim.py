@@ -20,9 +20,7 @@ import dataclasses
 import json
 import os
 import statistics
-import subprocess
 import sys
-import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))

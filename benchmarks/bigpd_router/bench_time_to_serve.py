@@ -30,7 +30,6 @@ import dataclasses
 import json
 import os
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -39,6 +38,8 @@ from typing import Any
 
 import aiohttp
 
+from kllm_plugins.bench import stats
+from kllm_plugins.bench.client import astream
 from kllm_plugins.plugins.bigpd_router.actuators.local_process import LocalProcessActuator
 from kllm_plugins.plugins.bigpd_router.actuators.standby_actuator import (
     StandbyActuator,
@@ -130,16 +131,13 @@ async def first_served(rurl: str, timeout_s: float, tries: list[tuple[float, int
     deadline = time.monotonic() + timeout_s
     async with aiohttp.ClientSession() as s:
         while time.monotonic() < deadline:
-            try:
-                sent = time.time()
-                async with s.post(rurl + "/generate", json=BODY, timeout=aiohttp.ClientTimeout(total=60)) as r:
-                    await r.read()
-                    tries.append((sent, r.status, time.time() - sent))
-                    del tries[:-4]
-                    if r.status == 200:
-                        return sent, time.time(), r.headers.get("X-Kllm-Instance", "")
-            except (aiohttp.ClientError, asyncio.TimeoutError):
-                pass
+            sent = time.time()
+            r = await astream(s, rurl + "/generate", BODY, timeout=aiohttp.ClientTimeout(total=60), meta=False)
+            if not r.broken:
+                tries.append((sent, r.status, time.time() - sent))
+                del tries[:-4]
+                if r.status == 200:
+                    return sent, time.time(), r.headers.get("X-Kllm-Instance", "")
             await asyncio.sleep(0.05)
     raise TimeoutError(f"no request served through the router within {timeout_s}s")
 
@@ -263,8 +261,9 @@ def remote_instance_probe(model: str, path: str, log_dir: str) -> dict[str, Any]
 
 
 def spread(vals: list[float]) -> dict[str, float]:
-    return {"median": round(statistics.median(vals), 3), "min": round(min(vals), 3), "max": round(max(vals), 3),
-            "n": len(vals)}
+    """The harness's spread over repeats (median, min/max, p10/p90; the repeats are in the rows) and n."""
+    s = stats.spread(vals)
+    return {k: round(s[k], 3) for k in ("median", "min", "max", "p10", "p90")} | {"n": len(vals)}
 
 
 def main() -> None:
@@ -321,8 +320,7 @@ def summarize(args: argparse.Namespace, rows: list[dict[str, Any]], quiet: bool 
                 vals = [r[name] if name == "decision_to_served_s" else r["phases_s"].get(name) for r in sel]
                 vals = [v for v in vals if v is not None]
                 if vals:
-                    summary[model].setdefault(h, {})[name] = spread(vals)
-                    s = spread(vals)
+                    s = summary[model].setdefault(h, {})[name] = spread(vals)
                     cells.append(f"{s['median']:>8.2f} ({s['min']:.2f}-{s['max']:.2f})")
                 else:
                     cells.append(f"{'-':>22}")
@@ -333,6 +331,11 @@ def summarize(args: argparse.Namespace, rows: list[dict[str, Any]], quiet: bool 
                 ratio = summary[model][h]["decision_to_served_s"]["median"] / summary[model]["cold"][
                     "decision_to_served_s"]["median"]
                 summary[model][h]["vs_cold_median_ratio"] = round(ratio, 4)
+                per = {p: [r["decision_to_served_s"] for r in rows if r["model"] == model and r["path"] == p
+                           and r.get("decision_to_served_s") is not None] for p in (h, "cold")}
+                if per[h] and per["cold"]:  # ratio of medians with its spread (paired by repeat when it can be)
+                    summary[model][h]["vs_cold"] = {k: v for k, v in stats.ratio_of_medians(per[h], per["cold"]).items()
+                                                    if k != "per_repeat"}
                 say(f"  {h} / cold (medians): {ratio:.3f}x")
     return summary
 

@@ -1,4 +1,9 @@
-"""Benchmark helper: open-loop and closed-loop HTTP load generators and process helpers."""
+"""Benchmark helper: open-loop and closed-loop HTTP load generators and process helpers.
+
+Requests go through the harness's streaming client (`kllm_plugins.bench.client.astream`), arrivals
+come from its schedules (`kllm_plugins.bench.schedule`), quantiles from its stats
+(`numpy.percentile`-compatible), and the combined results file
+(`benchmarks/results/bigpd_router/summary.json`) is written by its recorder."""
 from __future__ import annotations
 
 import asyncio
@@ -12,6 +17,10 @@ import urllib.request
 from typing import Any, Sequence
 
 import aiohttp
+
+from kllm_plugins.bench import schedule, stats
+from kllm_plugins.bench.client import astream
+from kllm_plugins.bench.record import load_summary, result_path, update_sections
 
 
 def free_port() -> int:
@@ -51,26 +60,16 @@ def wait_http(url: str, timeout_s: float = 60.0) -> None:
 
 
 def quantile(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    ys = sorted(xs)
-    return ys[min(len(ys) - 1, int(q * len(ys)))]
+    """The harness's quantile (numpy.percentile-compatible); NaN for no samples."""
+    return stats.quantile(xs, q) if xs else float("nan")
 
 
 async def one(s: aiohttp.ClientSession, url: str, body: dict[str, Any], stream: bool) -> tuple[float, float, bool]:
-    """(ttft, total) seconds and success for one request; ttft = first body byte."""
-    t0 = time.perf_counter()
-    try:
-        async with s.post(url, json=body) as r:
-            ttft = None
-            async for _ in r.content.iter_any():
-                if ttft is None:
-                    ttft = time.perf_counter() - t0
-            ok = r.status == 200
-    except aiohttp.ClientError:
+    """(ttft, total) seconds and success for one request, read by the harness's client."""
+    r = await astream(s, url, body, meta=False)
+    if r.broken:
         return float("nan"), float("nan"), False
-    total = time.perf_counter() - t0
-    return (ttft if ttft is not None else total), total, ok
+    return r.ttft_s, r.e2e_s, r.status == 200
 
 
 async def open_loop(url: str, body: dict[str, Any], rate: float, duration_s: float,
@@ -81,8 +80,8 @@ async def open_loop(url: str, body: dict[str, Any], rate: float, duration_s: flo
         tasks = []
         t0 = time.perf_counter()
         n = int(rate * duration_s)
-        for i in range(n):
-            target = t0 + i / rate
+        for at in schedule.constant(n, rate):
+            target = t0 + at
             delay = target - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
@@ -116,25 +115,24 @@ def py() -> str:
     return sys.executable
 
 
-def merge_results(key: str, rows: list[dict[str, Any]], command: str,
-                  path: str = "benchmarks/results/bigpd_router.json", keep: Any = None,
-                  command_key: str | None = None) -> None:
-    """Put one part (overhead, scaling, routing) into the plugin's combined results file.
-    `keep(row)`: rows of the part already there that stay (e.g. the simulated ones when the
-    real-server run writes its own into the same "scaling" list)."""
-    import json
+SUMMARY = ("bigpd_router", "summary")  # benchmarks/results/bigpd_router/summary.json
 
-    data: dict[str, Any] = {}
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    commands = dict(data.get("commands", {}))
+
+def merge_results(key: str, rows: list[dict[str, Any]], command: str, keep: Any = None,
+                  command_key: str | None = None) -> None:
+    """Put one part (overhead, scaling, routing, ...) into the plugin's combined results file,
+    `benchmarks/results/bigpd_router/summary.json`, through the harness's recorder.
+    `keep(row)`: rows of the part already there that stay (e.g. the simulated ones when the
+    real-server run writes its own into the same "scaling" list). `rows` may also be a dict (a
+    part that is one object)."""
+    path = result_path(*SUMMARY)
+    data: dict[str, Any] = load_summary(path) if path.exists() else {}
     if command_key is None:
         command_key = key if keep is None else f"{key}:{rows[0].get('simulated') if rows else ''}"
-    commands[command_key] = command
-    data["commands"] = commands
-    data["command"] = " && ".join(commands[k] for k in sorted(commands))
-    data[key] = ([r for r in data.get(key, []) if keep(r)] if keep else []) + rows
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(data, fh, indent=1)
+    old = data.get(key, [])
+    if isinstance(rows, list):
+        part: Any = ([r for r in old if keep(r)] if keep and isinstance(old, list) else []) + rows
+    else:
+        part = rows
+    update_sections(path, command_key, command, {key: part},
+                    shared="shared 2-core, several helpers; benchmarks under flock")

@@ -30,6 +30,9 @@ from kllm_plugins.plugins.bigpd_router.core.registry import Role
 from kllm_plugins.plugins.bigpd_router.service.router import Router
 from kllm_plugins.testing.sglang_server import SGLangServer, free_port, start_all
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from loadgen import merge_results  # noqa: E402
+
 
 class SwitchOnlyActuator(LocalProcessActuator):
     """Flips roles of the servers this script started; never starts new ones."""
@@ -100,7 +103,7 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=400)
     ap.add_argument("--out", default="", help="write the JSON summary here too")
     ap.add_argument("--record", action="store_true",
-                    help="put the summary into benchmarks/results/bigpd_router.json and a row into RESULTS.md")
+                    help="put the summary into benchmarks/results/bigpd_router/summary.json")
     args = ap.parse_args()
     from kllm_plugins.models.tiny_llama import tiny_llama_path
 
@@ -159,23 +162,19 @@ def main() -> None:
             fh.write(text)
     if args.record:
         command = " ".join(["python", *sys.argv])
-        path = "benchmarks/results/bigpd_router.json"
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-        data["role_switch_live"] = {"command": command, **{k: v for k, v in summary.items() if k != "membership"}}
-        with open(path, "w", encoding="utf-8") as fh:
-            json.dump(data, fh, indent=1)
+        merge_results("role_switch_live", {"command": command, **{k: v for k, v in summary.items() if k != "membership"}},
+                      command, command_key="role_switch_live")
         switched = [v["switched"] for v in summary["after_switch"].values() if v["switched"]]
         batches = sum(v["prefill_batches_after_switch"] for v in summary["after_switch"].values())
-        with open("benchmarks/RESULTS.md", "a", encoding="utf-8") as fh:
-            fh.write(f"| bigpd_router | live PD role switch (not timed): 3 real tiny-model SGLang servers on CPU over "
-                     f"Mooncake TCP (1 prefill, 2 decode, all --enable-pd-role-switch), {args.clients} clients "
-                     f"sending {args.prompt_tokens}-token prompts; the controller (no new servers allowed) lends a "
-                     f"decode server to the prefill pool | {summary['requests']} requests, {summary['failed']} "
-                     f"failed, {summary['wrong_output']} with output different from the reference; "
-                     f"{summary['requests_after_switch_started']} sent after the switch started; switches: "
-                     f"{switched or 'none'}; prefill batches run by the switched server afterwards: {batches} | "
-                     f"`{command}` |\n")
+        # the summary line (benchmarks/RESULTS.md is generated from the results files)
+        print(f"| bigpd_router | live PD role switch (not timed): 3 real tiny-model SGLang servers on CPU over "
+              f"Mooncake TCP (1 prefill, 2 decode, all --enable-pd-role-switch), {args.clients} clients "
+              f"sending {args.prompt_tokens}-token prompts; the controller (no new servers allowed) lends a "
+              f"decode server to the prefill pool | {summary['requests']} requests, {summary['failed']} "
+              f"failed, {summary['wrong_output']} with output different from the reference; "
+              f"{summary['requests_after_switch_started']} sent after the switch started; switches: "
+              f"{switched or 'none'}; prefill batches run by the switched server afterwards: {batches} | "
+              f"`{command}` |")
     sys.exit(0 if summary["failed"] == 0 and summary["wrong_output"] == 0 else 1)
 
 
