@@ -48,6 +48,8 @@ import torch
 os.environ.setdefault("SGLANG_RAGGED_VERIFY_MODE", "compact")
 
 from kllm_plugins import runtime  # noqa: E402
+from kllm_plugins.bench import stats  # noqa: E402
+from kllm_plugins.bench.record import result_path, update_sections  # noqa: E402
 from kllm_plugins.attach import resolve_impl, resolve_target  # noqa: E402
 from kllm_plugins.plugins.dspark import hookimpls  # noqa: E402
 from kllm_plugins.plugins.dspark import sglang_adapter as adapter  # noqa: E402
@@ -301,7 +303,10 @@ def main() -> None:
     ap.add_argument("--sla", type=float, default=0.0,
                     help="per-user tokens/s for ours_sla (0: the median user speed of ours after the load step, so it binds)")
     ap.add_argument("--conf-noise", type=float, default=0.02, help="confidence error around the per-step truth")
-    ap.add_argument("--no-record", action="store_true", help="do not append to benchmarks/RESULTS.md")
+    ap.add_argument("--no-record", action="store_true", help="do not write the results file")
+    ap.add_argument("--out", default=str(result_path("dspark", "planner")),
+                    help="combined dspark summary to update (section planner_simulation; default "
+                         "benchmarks/results/dspark/planner.json)")
     ap.add_argument("--plot", default="", help="draw throughput per planner to this file (needs matplotlib)")
     args = ap.parse_args()
     logging_quiet()
@@ -365,15 +370,37 @@ def main() -> None:
         "conf_noise": args.conf_noise,
         "simulation": True,
     }
+    metrics = harness_metrics(runs, fixed, best_a, best_b, seeds)
     print("summary:", json.dumps(summary))
+    print("ratios of medians over seeds [per-seed min-max]: " + "; ".join(
+        f"{k} {stats.fmt_spread(v)}" for k, v in metrics["ours_throughput_ratio"].items()))
     print(f"wall {time.time() - t0:.0f}s")
     command = "python benchmarks/dspark/bench_planner.py " + " ".join(sys.argv[1:])
     if not args.no_record:
-        write_json(command.strip(), summary)
+        path = update_sections(args.out, "planner_simulation", command.strip(),
+                               {"planner_simulation": summary, "simulation_command": command.strip()}, metrics=metrics)
+        print(f"recorded {path}")
     if args.plot:
         draw(args.plot, rows, seeds)
-    if not args.no_record:
-        record(command.strip(), summary)
+
+
+def harness_metrics(runs: dict[str, dict[int, list[PhaseStats]]], fixed: dict[int, dict[int, list[PhaseStats]]],
+                    best_a: int, best_b: int, seeds: list[int]) -> dict[str, Any]:
+    """The figures in the harness's form: throughput spreads over seeds per planner and phase, and
+    ours over each baseline as a ratio of medians with its per-seed spread (seeds are paired: the
+    same workload draws)."""
+    def thr(kind_runs: dict[int, list[PhaseStats]], phase: int) -> list[float]:
+        return [kind_runs[s][phase].throughput() for s in seeds]
+
+    phases = ("before", "after")
+    bases = {"static": runs["static"], "sps_offline": runs["sps_offline"], "oracle_cost": runs["oracle_cost"],
+             "best_fixed": fixed[best_a], "best_fixed_in_hindsight": fixed[best_b]}
+    return {
+        "throughput_tokens_per_s": {k: {ph: stats.spread(thr(kr, i)) for i, ph in enumerate(phases)}
+                                    for k, kr in runs.items()},
+        "ours_throughput_ratio": {f"vs_{b}_{ph}": stats.ratio_of_medians(thr(runs["ours"], i), thr(kr, i))
+                                  for b, kr in bases.items() for i, ph in enumerate(phases)},
+    }
 
 
 def logging_quiet() -> None:
@@ -383,36 +410,6 @@ def logging_quiet() -> None:
     warnings.filterwarnings("ignore")
     for name in ("sglang", "kllm"):
         logging.getLogger(name).setLevel(logging.ERROR)
-
-
-def write_json(command: str, planner: dict[str, Any]) -> None:
-    path = ROOT / "benchmarks" / "results" / "dspark.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = json.loads(path.read_text()) if path.exists() else {}
-    data.update({"command": command, "target": data.get("target", "none (planner simulation only)"),
-                 "drafters": data.get("drafters", []), "planner": planner})
-    path.write_text(json.dumps(data, indent=2) + "\n")
-
-
-def record(command: str, s: dict[str, Any]) -> None:
-    path = ROOT / "benchmarks" / "RESULTS.md"
-    if not path.exists():
-        path.write_text("# Benchmark results\n\n")
-    ratios = lambda key: f"{s[key][0]:.3f}x / {s[key][1]:.3f}x"  # noqa: E731
-    row = (
-        f"\n## dspark planner (issue 8): SIMULATION, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n"
-        f"SGLang 0.5.23's real DSPARK planner classes on CPU; synthetic drafter (calibrated confidences) and "
-        f"synthetic step cost; 32 requests, gamma 7, x3 per-token cost step at half time. No GPU ran DSPARK.\n\n"
-        f"| command | ours / baseline throughput, before / after the load step | SLA {s['sla_tokens_per_s']} tok/s/user attainment after |\n"
-        f"|---|---|---|\n"
-        f"| `{command}` | static (SGLang default) {ratios('ours_vs_static')}; offline SPS table {ratios('ours_vs_sps_offline')}; "
-        f"best fixed verify length L{s['best_fixed_verify_len'][0]} {s['online_vs_best_fixed']:.3f}x / "
-        f"{s['after_load_change_vs_best_fixed']:.3f}x (L{s['best_fixed_verify_len'][1]} in hindsight "
-        f"{s['after_load_change_vs_best_fixed_in_hindsight']:.3f}x); same planner given the true cost "
-        f"{ratios('ours_vs_oracle_cost')} | {s['sla_attainment_after']} |\n"
-    )
-    with path.open("a") as f:
-        f.write(row)
 
 
 def draw(path: str, rows: list[tuple[str, dict[int, list[PhaseStats]]]], seeds: list[int]) -> None:

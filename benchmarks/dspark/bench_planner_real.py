@@ -27,6 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kllm_plugins.bench import stats
+from kllm_plugins.bench.record import build_summary, write_summary
 from kllm_plugins.plugins.dspark.core.budget import BudgetPlanner, PlannerConfig, resolve_lens, verify_lens_for_budgets
 from kllm_plugins.plugins.dspark.core.cost_model import CostModelConfig, OnlineStepCostModel, StepFeatures
 
@@ -133,9 +135,17 @@ def main() -> None:
     print(f"{'policy':>8} {'phase A tok/s':>14} {'phase B tok/s':>14}")
     for k, v in med.items():
         print(f"{k:>8} {v[0]:14.1f} {v[1]:14.1f}")
+    per_seed = {k: [[r[i] for r in v] for i in range(2)] for k, v in results.items()}
+    # the harness's ratio of medians with the per-seed spread (seeds are paired: the same replay draws)
+    metrics = {"online_vs_best_fixed": stats.ratio_of_medians(per_seed["online"][0], per_seed[best_a][0]),
+               "after_load_change_vs_best_fixed": stats.ratio_of_medians(per_seed["online"][1], per_seed[best_a][1]),
+               "after_load_change_vs_best_fixed_in_hindsight": stats.ratio_of_medians(per_seed["online"][1],
+                                                                                     per_seed[best_b][1])}
     print(json.dumps({k: v for k, v in summary.items() if k != "tokens_per_s"}, indent=1))
+    print("ratios of medians [per-seed min-max]: " + "; ".join(f"{k} {stats.fmt_spread(v)}" for k, v in metrics.items()))
     if a.json_out:
-        a.json_out.write_text(json.dumps(summary, indent=1))
+        command = summary.pop("command")
+        write_summary(a.json_out, build_summary(command, metrics, **summary))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from bench_drafters import DRAFTERS, GAMMA, device, load_answers, load_target, target_layers, val_evaluator  # noqa: E402
 
+from kllm_plugins.bench import stats  # noqa: E402
 from kllm_plugins.plugins.dspark.core.calibration import (calibrated, calibrated_platt, ece, fit_platt,  # noqa: E402
                                                           fit_position_temperatures)
 from kllm_plugins.plugins.dspark.core.draft_runtime import make_runner  # noqa: E402
@@ -177,7 +177,7 @@ def _median_time(fn, reps: int = 5) -> float:
         fn()
         _sync()
         times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return stats.quantile(times, 0.5)
 
 
 def cmd_timing(a: argparse.Namespace) -> None:
