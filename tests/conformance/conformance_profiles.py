@@ -30,9 +30,36 @@ INCR_PREFIX_ARGS = ["--radix-cache-backend", "kllm_incremental"]
 FAIR_SCHED_ARGS = ["--schedule-policy", "fcfs"]
 
 
+# SGLang refuses a HiCache host pool unless free host RAM covers it plus a fixed 10 GiB reserve
+# (sglang.srt.mem_cache.pool_host.base.HICACHE_HOST_MEMORY_RESERVE_BYTES). The pool here is 1.25x
+# the device pool (12288 tokens x 46 KB of SmolLM2 float32 K+V: 0.71 GB; the kv_tiers tests' ratio
+# of 2 would take 1.13 GB), so a server with it needs about 11.5 GB free at start: a 24 GB CI machine
+# running the suite (two servers and pytest, ~6 GB) leaves ~6 GB over that.
+HICACHE_RATIO = "1.25"
+HICACHE_RESERVE_BYTES = 10 * 1024**3
+HICACHE_POOL_BYTES = int(1.25 * MAX_TOTAL_TOKENS * 30 * 2 * 3 * 64 * 4)  # SmolLM2: 30 layers, 3 KV heads x 64, f32
+MEMORY_MARGIN_BYTES = 1024**3
+
+
 def kv_tiers_args() -> list[str]:
     """HiCache's L2 host tier plus the plugin's checksummed L3 file store (docs/kv_tiers.md)."""
-    return ["--page-size", str(PAGE), *l3_args("kllm_file")]
+    return ["--page-size", str(PAGE), *l3_args("kllm_file"), "--hicache-ratio", HICACHE_RATIO]
+
+
+def wait_for_host_memory(profile: "Profile", timeout_s: float = 300.0) -> None:
+    """Before a server with a HiCache host pool starts: wait (up to timeout_s) until the host has
+    the pool, SGLang's reserve and a margin free, or fail saying so (instead of SGLang's refusal)."""
+    if "kv_tiers" not in profile.plugins:
+        return
+    import psutil
+
+    need = HICACHE_RESERVE_BYTES + HICACHE_POOL_BYTES + MEMORY_MARGIN_BYTES
+    deadline = time.monotonic() + timeout_s
+    while (free := psutil.virtual_memory().available) < need:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"profile {profile.name}: {free / 1e9:.1f} GB of host memory free after {timeout_s:.0f} s, "
+                               f"its HiCache host pool needs {need / 1e9:.1f} GB (pool + SGLang's 10 GiB reserve + margin)")
+        time.sleep(2.0)
 
 
 @dataclass(frozen=True)
@@ -153,6 +180,7 @@ def running(profile: Profile, model_path: str | os.PathLike[str], extra: Sequenc
             max_total_tokens: int = MAX_TOTAL_TOKENS) -> Iterator[Running]:
     """Start the profile's server (and router), yield it, stop everything."""
     server = server_for(profile, model_path, extra, max_total_tokens)
+    wait_for_host_memory(profile)
     server.start()
     router = None
     try:

@@ -20,7 +20,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from conformance_profiles import PROFILES, Profile, RouterProcess, Running, server_for  # noqa: E402
+from conformance_profiles import (PROFILES, Profile, RouterProcess, Running, server_for,  # noqa: E402
+                                  wait_for_host_memory)
 
 KEEP = 2
 
@@ -45,6 +46,7 @@ class ServerPool:
             self._stop(victims[0])
         profile = PROFILES[name]
         server = server_for(profile, self.model_path)
+        wait_for_host_memory(profile)
         server.start()
         run = Running(profile, server)
         self.servers[name] = run
