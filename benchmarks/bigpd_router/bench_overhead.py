@@ -76,7 +76,7 @@ def main() -> None:
     ap.add_argument("--streams", choices=["both", "plain", "stream"], default="both",
                     help="which request kinds to measure (a rerun of some rows keeps the others in the results file)")
     ap.add_argument("--no-max-rate", action="store_true", help="skip the closed-loop maximum-rate runs")
-    ap.add_argument("--no-record", action="store_true", help="do not write results or RESULTS.md (smoke runs)")
+    ap.add_argument("--no-record", action="store_true", help="do not write the results files (smoke runs)")
     ap.add_argument("--bench-serving", metavar="MODEL_PATH",
                     help="instead: sglang.bench_serving against a real server on this model, direct vs kllm-router")
     ap.add_argument("--bs-prompts", type=int, default=40)
