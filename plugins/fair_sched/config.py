@@ -38,6 +38,8 @@ class FairSchedConfig:
     """Order key = prefill tokens processed at arrival + age_weight x uncached prompt, smallest first (0: FCFS)."""
     mixed_decode: bool = False
     """Running requests decode one token inside every prefill pass (SGLang's mixed chunk), so prefills never stall them."""
+    chunk_guard: bool = True
+    """Cut or park a continuing chunk the free KV cannot hold (SGLang 0.5.23 hands it a whole chunk once the pass budget is spent, and the failed allocation ends the server)."""
     kv_high_watermark: float = 0.95
     """KV usage at which admission of new requests stops (1.0: only when full)."""
     kv_low_watermark: float = 0.85

@@ -41,9 +41,12 @@ PATCHES: tuple[PatchSpec, ...] = (
         impl=f"{ADAPTER}:around_get_prefill_adder_class",
         kind="around",
         why="PrefillAdder subclass: refuse a second partially prefilled request (stock refuses it only under "
-        "shortest-prefill-first), admit nothing while the watermark gate is closed, and add the riding "
-        "earlier-key requests' extra tokens to the pass's chunk budget",
-        upstream="none needed: this is SGLang's override point; a policy-neutral 'one chunked request' guard would drop the refusal",
+        "shortest-prefill-first), admit nothing while the watermark gate is closed, add the riding "
+        "earlier-key requests' extra tokens to the pass's chunk budget, and cut or park a continuing chunk "
+        "the free KV cannot hold (single-pool PrefillBudget.available_chunk_tokens returns a whole chunk "
+        "once the budget is spent; the allocation then fails and the server exits)",
+        upstream="none needed: this is SGLang's override point; a policy-neutral 'one chunked request' guard would "
+        "drop the refusal, and parking the chunk on a spent budget (as sgl-project/sglang#30743 proposed) the guard",
     ),
     PatchSpec(
         target="sglang.srt.managers.schedule_batch.Req.update_finish_state",
@@ -94,6 +97,7 @@ def kllm_declare() -> PluginSpec:
             OptionSpec("short_extra_tokens", int, d.short_extra_tokens, "pass tokens beyond the budget for earlier-key requests riding along the chunked prefill (-1: three budgets, 0: off)"),
             OptionSpec("age_weight", float, d.age_weight, "order key = prefill tokens processed at arrival + age_weight x uncached prompt (0: FCFS)"),
             OptionSpec("mixed_decode", parse_bool, d.mixed_decode, "running requests decode inside every prefill pass (SGLang's mixed chunk)"),
+            OptionSpec("chunk_guard", parse_bool, d.chunk_guard, "cut or park a continuing chunk the free KV cannot hold (stock SGLang overcommits it and the server exits)"),
             OptionSpec("kv_high_watermark", float, d.kv_high_watermark, "KV usage that pauses admission of new requests"),
             OptionSpec("kv_low_watermark", float, d.kv_low_watermark, "KV usage below which admission resumes"),
             OptionSpec("loop_min_tokens", int, d.loop_min_tokens, "cut outputs repeating a short period this long (0: off)"),

@@ -16,8 +16,9 @@ KV allocator) into the core's plain types each pass and applies the core's decis
   age_weight x uncached prompt.
 * `SchedulePolicy.shortest_prefill_chunk_limit` (around): the long request's chunk cap.
 * `Scheduler.get_prefill_adder_class` (around): a `PrefillAdder` subclass that refuses a
-  second truncated (partially prefilled) request and admits nothing while the watermark gate
-  is closed.
+  second truncated (partially prefilled) request, admits nothing while the watermark gate
+  is closed, and (chunk_guard) cuts or parks a continuing chunk the free KV cannot hold, where
+  SGLang's single-pool budget would hand it a whole chunk and its allocation would end the server.
 * `Req.update_finish_state` (around): the repetition-loop detector; `finish` ends the request,
   `retract` marks it for:
 * `Scheduler.update_running_batch` (around): before the decode step, marked requests release
@@ -38,7 +39,7 @@ from kllm_plugins import metrics, runtime
 from kllm_plugins.plugins.fair_sched.config import FairSchedConfig
 from kllm_plugins.plugins.fair_sched.core.quota import FairPolicy, PassPlan, WaitingItem
 from kllm_plugins.plugins.fair_sched.core.repetition import RepetitionDetector
-from kllm_plugins.plugins.fair_sched.core.watermark import WatermarkGate
+from kllm_plugins.plugins.fair_sched.core.watermark import WatermarkGate, continuation_tokens
 from kllm_plugins.stats import StatsWriter
 
 logger = logging.getLogger("kllm.fair_sched")
@@ -76,6 +77,8 @@ class _State:
             "shorts_beside_long": 0,
             "recomputed_tokens": 0,
             "second_truncation_refused": 0,
+            "chunks_cut_for_kv": 0,
+            "chunks_parked_for_kv": 0,
             "loops_cut": 0,
             "loop_freed_tokens": 0,
             "loops_retracted": 0,
@@ -333,11 +336,50 @@ def _fair_adder(base: type) -> type:
             if st is not None and st.extra_tokens and self.rem_chunk_tokens is not None:
                 self.rem_chunk_tokens += st.extra_tokens
 
+        def add_chunked_req(self, req: Any) -> Any:
+            """chunk_guard: on SGLang's single-pool budget, a continuing chunk that the free KV
+            cannot hold is cut to what fits, or sits out the pass (nothing else is admitted in it,
+            so the batch is empty and no middle chunk is counted) while requests decode."""
+            st = _state
+            budget = getattr(self, "memory_budget", None)
+            if (st is None or not st.cfg.chunk_guard or type(budget).__name__ != "PrefillBudget"
+                    or getattr(self, "dllm_config", None) is not None or not self.rem_chunk_tokens):
+                return super().add_chunked_req(req)
+            left = budget.remaining_total
+            if left > 0:
+                return super().add_chunked_req(req)
+            n = continuation_tokens(self.rem_chunk_tokens, left, budget._available_and_evictable(), self.page_size)
+            if n is None:
+                if self.running_batch is None or self.running_batch.is_empty():
+                    return super().add_chunked_req(req)  # nothing will free KV: SGLang's own answer
+                st.counters["chunks_parked_for_kv"] += 1
+                self._fair_kv_parked = True
+                return req
+            if n < self.rem_chunk_tokens:
+                st.counters["chunks_cut_for_kv"] += 1
+                self.chunked_req_limit = n if self.chunked_req_limit is None else min(self.chunked_req_limit, n)
+            return super().add_chunked_req(req)
+
         def add_one_req(self, req: Any, has_chunked_req: bool, truncation_align_size: Any) -> Any:
             st = _state
-            if st is not None and not st.admit:
+            if st is not None and (not st.admit or getattr(self, "_fair_kv_parked", False)):
                 return AddReqResult.OTHER
+            self._fair_has_chunked = has_chunked_req
             return super().add_one_req(req, has_chunked_req, truncation_align_size)
+
+        def add_one_req_ignore_eos(self, req: Any) -> Any:
+            """SGLang's path for ignore_eos requests without a radix cache truncates without
+            `_select_prefill_admission`: refuse the second truncation here too."""
+            st = _state
+            if (
+                st is not None
+                and (getattr(self, "_fair_has_chunked", False) or st.parked is not None)
+                and self.rem_chunk_tokens is not None
+                and len(req.full_untruncated_fill_ids) - req.prefix_len > self.rem_chunk_tokens
+            ):
+                st.counters["second_truncation_refused"] += 1
+                return AddReqResult.OTHER
+            return super().add_one_req_ignore_eos(req)
 
         def _select_prefill_admission(self, req: Any, **kwargs: Any) -> Any:
             admission = super()._select_prefill_admission(req, **kwargs)

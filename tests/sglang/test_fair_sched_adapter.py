@@ -133,6 +133,83 @@ def test_chunk_limit_caps_the_continuing_chunk(env: SimpleNamespace, adapter: An
     assert adder.rem_chunk_tokens == 128 - 48  # the rest is left to one-chunk requests
 
 
+def test_chunk_guard_cuts_or_parks_a_continuation_the_free_kv_cannot_hold(env: SimpleNamespace, adapter: Any) -> None:
+    """SGLang 0.5.23's single-pool budget hands a continuing chunk a whole chunk once the pass budget
+    (free KV minus the decode headroom it reserves) is spent, even when fewer tokens are free: the
+    allocation then fails and the server exits (seen on the H200). The guard cuts or parks it."""
+    alloc = env.allocator
+    held = [alloc.alloc(alloc.available_size() - 100)]  # 100 tokens left free
+    try:
+        dec = make_req(env, "decoding", 10, 0.0)
+        dec.sampling_params.max_new_tokens = 1000  # its reserved headroom exceeds what is free
+        running = env.ScheduleBatch(reqs=[dec], batch_is_full=False)
+
+        def adder(cls: type) -> Any:
+            return cls(1, env.cache, alloc, running, 0.5, 8192, 128)
+
+        stock = adder(env.PrefillAdder)
+        assert stock.memory_budget.remaining_total <= 0
+        r1 = make_req(env, "stock-cont", 500, 0.0)
+        r1.init_next_round_input(env.cache)
+        stock.add_chunked_req(r1)
+        assert r1.extend_end - r1.prefix_len == 128 > alloc.available_size()  # its allocation would fail
+
+        fair_cls = adapter._fair_adder(env.PrefillAdder)
+        ours = adder(fair_cls)
+        r2 = make_req(env, "fair-cont", 500, 0.0)
+        r2.init_next_round_input(env.cache)
+        assert ours.add_chunked_req(r2) is r2 and r2 in ours.can_run_list
+        assert r2.extend_end - r2.prefix_len == 98  # 100 free less two pages of slack
+        assert adapter._state.counters["chunks_cut_for_kv"] == 1
+
+        held.append(alloc.alloc(alloc.available_size() - 2))  # not one page beyond the slack
+        ours = adder(fair_cls)
+        r3 = make_req(env, "fair-parked", 500, 0.0)
+        r3.init_next_round_input(env.cache)
+        assert ours.add_chunked_req(r3) is r3 and ours.can_run_list == []
+        short = make_req(env, "short", 8, 1.0)
+        short.init_next_round_input(env.cache)
+        assert ours.add_one_req(short, has_chunked_req=True, truncation_align_size=None) == env.AddReqResult.OTHER
+        assert ours.can_run_list == [] and adapter._state.counters["chunks_parked_for_kv"] == 1
+
+        # nothing decoding (nothing will free KV): SGLang's own answer stands
+        idle = fair_cls(1, env.cache, alloc, env.ScheduleBatch(reqs=[], batch_is_full=False), 0.5, 8192, 128)
+        r4 = make_req(env, "fair-idle", 500, 0.0)
+        r4.init_next_round_input(env.cache)
+        idle.memory_budget.total_offset = idle.memory_budget._available_and_evictable()  # budget spent
+        idle.add_chunked_req(r4)
+        assert r4.extend_end - r4.prefix_len == 128
+
+        # chunk_guard off: stock behaviour
+        adapter._state.cfg = dataclasses.replace(adapter._state.cfg, chunk_guard=False)
+        ours = adder(fair_cls)
+        r5 = make_req(env, "guard-off", 500, 0.0)
+        r5.init_next_round_input(env.cache)
+        ours.add_chunked_req(r5)
+        assert r5.extend_end - r5.prefix_len == 128
+    finally:
+        for h in held:
+            alloc.free(h)
+
+
+def test_ignore_eos_path_refuses_a_second_truncation(env: SimpleNamespace, adapter: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a radix cache SGLang admits ignore_eos requests through add_one_req_ignore_eos, which
+    truncates without _select_prefill_admission; fair_sched refuses the second truncation there too
+    (else the parked request is put back over the new partial one, whose KV then leaks)."""
+    fair_cls = adapter._fair_adder(env.PrefillAdder)
+    monkeypatch.setattr(env.cache, "disable", True, raising=False)
+    ours = new_adder(env, fair_cls)
+    req = make_req(env, "eos-long", 300, 0.0)
+    req.sampling_params.ignore_eos = True
+    req.init_next_round_input(env.cache)
+    res = ours.add_one_req(req, has_chunked_req=True, truncation_align_size=None)
+    assert res == env.AddReqResult.OTHER and ours.new_chunked_req is None and ours.can_run_list == []
+    assert adapter._state.counters["second_truncation_refused"] == 1
+    ours = new_adder(env, fair_cls)
+    ours.add_one_req(req, has_chunked_req=False, truncation_align_size=None)
+    assert ours.new_chunked_req is req  # the first partial request is still admitted
+
+
 class _FakeScheduler:
     """Only the attributes the pass planner reads; `original` stands for SGLang's batch builder."""
 

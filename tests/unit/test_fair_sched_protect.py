@@ -15,7 +15,7 @@ from kllm_plugins.manager import KllmPluginManager
 from kllm_plugins.plugins.fair_sched import hookimpls
 from kllm_plugins.plugins.fair_sched.config import FairSchedConfig
 from kllm_plugins.plugins.fair_sched.core.repetition import RepetitionDetector, find_loop
-from kllm_plugins.plugins.fair_sched.core.watermark import WatermarkGate
+from kllm_plugins.plugins.fair_sched.core.watermark import WatermarkGate, continuation_tokens
 
 
 def test_watermark_pauses_above_high_and_resumes_only_below_low() -> None:
@@ -52,6 +52,36 @@ def test_watermark_hysteresis_property(high: float, low_frac: float, usages: lis
 def test_watermark_rejects_bad_thresholds(high: float, low: float) -> None:
     with pytest.raises(ValueError, match="watermark"):
         WatermarkGate(high=high, low=low)
+
+
+def test_continuation_chunk_examples() -> None:
+    # budget left: SGLang's own answer (the smaller of the chunk and the budget)
+    assert continuation_tokens(2048, 5000, 100, 1) == 2048
+    assert continuation_tokens(2048, 700, 100, 1) == 700
+    # spent budget: SGLang 0.5.23 would hand out 2048 with 869 free (the H200 crash); cut to what fits
+    assert continuation_tokens(2048, 0, 869, 1) == 867
+    assert continuation_tokens(2048, -300, 4096, 1) == 2048
+    assert continuation_tokens(2048, 0, 869, 16) == 832  # whole pages, two pages of slack
+    # nothing fits: sit the pass out
+    assert continuation_tokens(2048, 0, 2, 1) is None
+    assert continuation_tokens(2048, 0, 40, 16) is None
+    with pytest.raises(ValueError):
+        continuation_tokens(0, 0, 10, 1)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.integers(1, 1 << 16), st.integers(-(1 << 16), 1 << 16), st.integers(0, 1 << 17), st.sampled_from([1, 2, 16, 64]))
+def test_continuation_chunk_never_overruns_the_free_kv(chunk: int, left: int, free: int, page: int) -> None:
+    n = continuation_tokens(chunk, left, free, page)
+    if left > 0:  # SGLang's budget (left <= free: it is free minus reservations) stands
+        assert n == min(chunk, left)
+        return
+    if n is None:
+        assert free < 3 * page  # not one page beyond the slack
+        return
+    assert 0 < n <= chunk
+    assert n + 2 * page <= free  # the allocation, rounded up to pages, fits
+    assert n == chunk or n % page == 0
 
 
 def test_loop_detector_examples() -> None:

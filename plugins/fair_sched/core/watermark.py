@@ -53,3 +53,26 @@ class WatermarkGate:
             "watermark_resumes": self.resumes,
             "watermark_blocked_passes": self.blocked_passes,
         }
+
+
+def continuation_tokens(chunk_limit: int, budget_left: float, free_tokens: int, page_size: int = 1,
+                        slack_pages: int = 2) -> int | None:
+    """Tokens the continuing chunk of a partially prefilled request may allocate this pass.
+
+    SGLang 0.5.23's single-pool prefill budget hands the continuation a whole chunk once the pass
+    budget is spent (`budget_left <= 0`, the budget counts the decode headroom it reserves for
+    running requests) so that the request makes progress; when the pool's free and evictable tokens
+    are fewer than that chunk, the allocation fails and the scheduler, with the whole server, exits.
+    Here a spent budget gives the whole chunk only when it fits in `free_tokens` with
+    `slack_pages` of slack, else the largest page multiple that does, else None: the chunk sits
+    out this pass while the running requests finish or SGLang retracts them.
+    With budget left, SGLang's own answer stands (`min(chunk_limit, budget_left)`).
+    """
+    if chunk_limit <= 0 or page_size <= 0:
+        raise ValueError(f"chunk_limit and page_size must be > 0, got {chunk_limit}, {page_size}")
+    if budget_left > 0:
+        return int(min(chunk_limit, budget_left))
+    room = (free_tokens - slack_pages * page_size) // page_size * page_size
+    if room >= chunk_limit:
+        return chunk_limit
+    return room if room >= page_size else None
