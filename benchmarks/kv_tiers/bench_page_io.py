@@ -21,15 +21,13 @@ page methods over a random buffer (`kllm_plugins.plugins.kv_tiers.testing.mha_ho
 `--pages` fresh pages per setup in batches of `--batch` (HiCache's storage batch), then reads them
 back into other pool pages and checks the bytes; setups run in rotating order within a round.
 Prints median microseconds per page, read and write, and the ratios against stock; `--record`
-appends to benchmarks/RESULTS.md and writes benchmarks/results/<name>.json.
+writes benchmarks/results/kv_tiers/<--results-name>.json through the harness's recorder.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -38,6 +36,9 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+
+from kllm_plugins.bench import stats
+from kllm_plugins.bench.record import record as write_record
 
 ROOT = Path(__file__).resolve().parents[2]
 SETUPS = ("stock", "kv_tiers_staged", "kv_tiers")
@@ -129,7 +130,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--dir", default="", help="folder for the stores (default: a temporary one on local disk)")
     ap.add_argument("--record", action="store_true")
-    ap.add_argument("--results-name", default="kv_tiers_page_io")
+    ap.add_argument("--results-name", default="page_io", help="benchmarks/results/kv_tiers/<name>.json")
+    ap.add_argument("--results-root", default=str(ROOT), help="write results under this folder (smoke runs)")
     args = ap.parse_args()
     command = "python " + " ".join([str(Path(sys.argv[0]).relative_to(ROOT) if Path(sys.argv[0]).is_absolute()
                                          else sys.argv[0])] + sys.argv[1:])
@@ -161,13 +163,27 @@ def main() -> None:
     table = summarize(recs)
     print(table)
     if args.record:
-        res = ROOT / "benchmarks" / "results" / f"{args.results_name}.json"
-        res.write_text(json.dumps({"command": command, "records": recs}, indent=1) + "\n")
-        with open(ROOT / "benchmarks" / "RESULTS.md", "a") as f:
-            f.write(f"\n## kv_tiers (issue 7): L3 page I/O per page through HiCache's storage paths, CPU, "
-                    f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC\n`{command}` (raw: "
-                    f"benchmarks/results/{res.name}); median us per page over rounds, ratios against `stock` "
-                    f"(SGLang's `file` backend)\n\n{table}\n")
+        res = write_record("kv_tiers", args.results_name, command, metrics(recs),
+                           root=Path(args.results_root),
+                           shared="shared 2-core, several helpers; benchmarks under flock", records=recs)
+        print(f"recorded {res}")
+
+
+def metrics(recs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per page shape, layout and operation: each setup's us per page as a spread over rounds and the
+    ratio of medians against stock (paired by round: the setups of a round run back to back)."""
+    out: dict[str, Any] = {}
+    for shape, layout in sorted({(r["shape"], r["layout"]) for r in recs}):
+        for op in ("read_us", "write_us"):
+            per = {s: [r[op] for r in sorted(recs, key=lambda r: r["round"])
+                       if (r["shape"], r["layout"], r["setup"]) == (shape, layout, s)] for s in SETUPS}
+            cell: dict[str, Any] = {s: {k: v for k, v in stats.spread(xs).items() if k != "repeats"}
+                                    for s, xs in per.items() if xs}
+            for s in SETUPS:
+                if s != "stock" and per[s] and per["stock"]:
+                    cell[f"{s}_vs_stock"] = stats.ratio_of_medians(per[s], per["stock"])
+            out[f"{shape}.{layout}.{op[:-3]}"] = cell
+    return out
 
 
 def summarize(recs: list[dict[str, Any]]) -> str:
@@ -176,7 +192,7 @@ def summarize(recs: list[dict[str, Any]]) -> str:
     combos = sorted({(r["shape"], r["layout"]) for r in recs}, key=lambda c: (list(SHAPES).index(c[0]), c[1]))
     for shape, layout in combos:
         for op in ("read_us", "write_us"):
-            med = {s: statistics.median(r[op] for r in recs if (r["shape"], r["layout"], r["setup"]) == (shape, layout, s))
+            med = {s: stats.quantile([r[op] for r in recs if (r["shape"], r["layout"], r["setup"]) == (shape, layout, s)], 0.5)
                    for s in SETUPS}
             lines.append(f"| {shape} | {layout} | {op[:-3]} | {med['stock']:.1f} | {med['kv_tiers_staged']:.1f} | "
                          f"{med['kv_tiers']:.1f} | {med['kv_tiers_staged'] / med['stock']:.2f}x | "

@@ -14,27 +14,29 @@ Setups:
 
 Lifetimes are interleaved (A B C D, D C B A, ...). Prints the median TTFT per setup and n, and each
 setup against `recompute` as a ratio: below 1 the load paid. Diagnostic for the short-prompt TTFT
-gap (docs/kv_tiers.md); `--record` appends a row to benchmarks/RESULTS.md and writes
-benchmarks/results/<--results-name>.json.
+gap (docs/kv_tiers.md); `--record` writes benchmarks/results/kv_tiers/<--results-name>.json through
+the harness's recorder (the per-request records and the ratios of medians with their spread).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import shutil
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from kllm_plugins.bench import stats
+from kllm_plugins.bench.record import record as write_record
 from kllm_plugins.plugins.kv_tiers.testing import flush, kv_tiers_stats
 from kllm_plugins.testing.sglang_server import SGLangServer
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_tiers import setup_servers  # noqa: E402
 from replay import stream_generate  # noqa: E402
+
 from trace_gen import tokens_for  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -113,7 +115,8 @@ def main() -> None:
     ap.add_argument("--server-threads", type=int, default=1)
     ap.add_argument("--l1-tokens", type=int, default=2048)
     ap.add_argument("--record", action="store_true")
-    ap.add_argument("--results-name", default="kv_tiers_breakeven", help="benchmarks/results/<name>.json")
+    ap.add_argument("--results-name", default="breakeven", help="benchmarks/results/kv_tiers/<name>.json")
+    ap.add_argument("--results-root", default=str(ROOT), help="write results under this folder (smoke runs)")
     ap.add_argument("--out", default="", help="write the raw records here")
     args = ap.parse_args()
     args.lengths = [int(x) for x in args.lengths.split(",")]
@@ -130,14 +133,26 @@ def main() -> None:
     table = summarize(recs, setups, args.lengths)
     print(table)
     if args.record:
-        res = ROOT / "benchmarks" / "results" / f"{args.results_name}.json"
-        res.write_text(json.dumps({"command": command, "records": recs}, indent=1) + "\n")
-        rows = [ln for ln in table.split("\n") if ln.startswith("|")]
-        with open(ROOT / "benchmarks" / "RESULTS.md", "a") as f:
-            f.write(f"\n## kv_tiers (issue 7): L3 hit vs recompute, one server, CPU, "
-                    f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC\n`{command}` (raw: "
-                    f"benchmarks/results/{res.name}); TTFT median ms (median L3 tokens), ratios against "
-                    f"`recompute`\n\n{rows[0]}\n{'| --- ' * rows[0].count(' | ')}| --- |\n" + "\n".join(rows[1:]) + "\n")
+        res = write_record("kv_tiers", args.results_name, command, metrics(recs, setups, args.lengths),
+                           root=Path(args.results_root),
+                           shared="shared 2-core, several helpers; benchmarks under flock", records=recs)
+        print(f"recorded {res}")
+
+
+def metrics(recs: list[dict[str, Any]], setups: list[str], lengths: list[int]) -> dict[str, Any]:
+    """Per setup and prompt length: TTFT spread over repeats and rounds, and the ratio of medians
+    against `recompute` (unpaired: the repeats are not matched one to one)."""
+    rows = [r for r in recs if "n" in r]
+    out: dict[str, Any] = {}
+    for n in lengths:
+        ttft = {s: [r["ttft_s"] for r in rows if r["setup"] == s and r["n"] == n] for s in setups}
+        cell: dict[str, Any] = {f"{s}_ttft_s": {k: v for k, v in stats.spread(xs).items() if k != "repeats"}
+                                for s, xs in ttft.items() if xs}
+        for s, xs in ttft.items():
+            if s != "recompute" and xs and ttft.get("recompute"):
+                cell[f"{s}_vs_recompute"] = stats.ratio_of_medians(xs, ttft["recompute"], paired=False)
+        out[str(n)] = cell
+    return out
 
 
 def summarize(recs: list[dict[str, Any]], setups: list[str], lengths: list[int]) -> str:
@@ -152,8 +167,8 @@ def summarize(recs: list[dict[str, Any]], setups: list[str], lengths: list[int])
             if not xs:
                 cells.append("-")
                 continue
-            med[(s, n)] = statistics.median(r["ttft_s"] for r in xs)
-            cells.append(f"{1e3 * med[(s, n)]:.1f} ({statistics.median(r['l3'] for r in xs):.0f})")
+            med[(s, n)] = stats.quantile([r["ttft_s"] for r in xs], 0.5)
+            cells.append(f"{1e3 * med[(s, n)]:.1f} ({stats.quantile([r['l3'] for r in xs], 0.5):.0f})")
         ratios = [f"{med[(s, n)] / med[('recompute', n)]:.2f}x" if (s, n) in med and ("recompute", n) in med
                   else "-" for s in setups if s != "recompute"]
         lines.append(f"| {n} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
