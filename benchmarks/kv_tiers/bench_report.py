@@ -1,13 +1,16 @@
 """Report and record for bench_tiers.py (not collected by pytest): the side-by-side table, the
-benchmarks/RESULTS.md row, the results json and the TTFT-vs-throughput plot."""
+summary line, the result summary (through the harness's recorder) and the TTFT-vs-throughput plot."""
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from kllm_plugins.bench.record import record as write_record
 
 
 def ideal_hit_rate(trace: list[dict[str, Any]], block: int = 16) -> float:
@@ -118,15 +121,26 @@ def _crossing(r: dict[str, Any]) -> str:
                                  f"(per repeat {', '.join(f'{v:.2f}' for v in x['repeats'])})")
 
 
+def headline_metrics(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per trace and setup: total hit rate, and the median [min-max] over repeats of TTFT mean and of
+    throughput at the SLO (the full spreads, repeats included, are in `runs`)."""
+    out: dict[str, Any] = {}
+    for r in runs:
+        sp = r.get("spread", {})
+        row: dict[str, Any] = {"hit_rate": r["hit_rate"]["total"]}
+        for k in ("ttft_mean_s", "throughput_at_slo_req_s"):
+            if isinstance(sp.get(k), dict):
+                row[k] = {q: sp[k][q] for q in ("median", "min", "max") if q in sp[k]}
+        out.setdefault(r["trace"].split()[0], {})[r["setup"]] = row
+    return out
+
+
 def record(runs: list[dict[str, Any]], traces: dict[str, list[dict[str, Any]]], args: argparse.Namespace,
            command: str, pressure: dict[str, Any] | None) -> None:
     root = Path(args.results_root)
-    out = root / "benchmarks" / "results" / f"{args.results_name}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
     for r in runs:
         r["command"] = command
-    doc = {"command": command,
-           "method": {"servers_per_setup": 2, "l1_tokens_per_server": args.l1_tokens, "l2": "2x L1 per server",
+    doc = {"method": {"servers_per_setup": 2, "l1_tokens_per_server": args.l1_tokens, "l2": "2x L1 per server",
                       "l3": "folder shared by the setup's two servers", "repeats": args.repeats,
                       "order": "repeat 1: A B C, repeat 2: C B A, ... (consecutive turns of a setup share a start)",
                       "server_threads": args.server_threads or "inherited (torch default: one per core)",
@@ -145,20 +159,27 @@ def record(runs: list[dict[str, Any]], traces: dict[str, list[dict[str, Any]]], 
         doc["pressure"] = pressure
     if args.medium is not None:
         doc["medium"] = args.medium
-    out.write_text(json.dumps(doc, indent=1) + "\n")
+    try:
+        out = write_record("kv_tiers", args.results_name, command, headline_metrics(runs), root=root,
+                           shared="shared 2-core, several helpers; benchmarks under flock", **doc)
+        print(f"recorded {out}")
+    except ValueError as exc:  # over the recorder's size limit: keep the run, outside the results folder
+        spill = Path(tempfile.gettempdir()) / f"kv_tiers_{args.results_name}.json"
+        spill.write_text(json.dumps({"command": command, "metrics": headline_metrics(runs), **doc}, indent=1))
+        print(f"not recorded: {exc}; the whole summary is in {spill}")
     cells = [f"[{t}] " + "; ".join(_row(r) for r in runs if r["trace"] == t) for t in traces]
     if pressure:
         cells.append("[pressure] " + pressure["summary"])
-    with (root / "benchmarks" / "RESULTS.md").open("a") as f:
-        f.write(f"\n## kv_tiers (issue 7), CPU (2 cores, quiet), tiny Llama, two servers per setup, interleaved "
-                f"repeats, open-loop load{medium_note(args)}, {time.strftime('%Y-%m-%d %H:%M')}\n"
-                f"`{command}` — L1 {args.l1_tokens} tokens per server, L2 2x L1, shared L3 folder; "
-                f"{threads_note(args)}; {args.repeats} "
-                f"repeats (A B C / C B A ...), medians [min-max]; hit rate and TTFT at 1 request in flight per "
-                f"server; open-loop Poisson rates {args.rate_list} req/s (same schedule for every setup), "
-                f"throughput at SLO = highest rate step's completed/makespan with TTFT P{int(args.slo_pct * 100)} "
-                f"<= {args.slo_s} s (SLO crossing: linear between the steps around the first miss"
-                f"{stop_note(args)}): " + " ".join(cells) + "\n")
+    # the summary line (benchmarks/RESULTS.md is generated from the result files)
+    print(f"\n## kv_tiers (issue 7), CPU (2 cores, quiet), tiny Llama, two servers per setup, interleaved "
+          f"repeats, open-loop load{medium_note(args)}, {time.strftime('%Y-%m-%d %H:%M')}\n"
+          f"`{command}` — L1 {args.l1_tokens} tokens per server, L2 2x L1, shared L3 folder; "
+          f"{threads_note(args)}; {args.repeats} "
+          f"repeats (A B C / C B A ...), medians [min-max]; hit rate and TTFT at 1 request in flight per "
+          f"server; open-loop Poisson rates {args.rate_list} req/s (same schedule for every setup), "
+          f"throughput at SLO = highest rate step's completed/makespan with TTFT P{int(args.slo_pct * 100)} "
+          f"<= {args.slo_s} s (SLO crossing: linear between the steps around the first miss"
+          f"{stop_note(args)}): " + " ".join(cells) + "\n")
 
 
 def stop_note(args: argparse.Namespace) -> str:

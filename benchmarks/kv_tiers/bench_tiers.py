@@ -41,8 +41,8 @@ Measured per setup and trace, per repeat (medians over repeats with [min, max]):
   requests), so kv_tiers meets it cold, as a server whose workload has no reuse.
 With `--pressure`, a second part bounds kv_tiers' L3 below what the trace writes and compares
 writing every page (`min_reuse` 1, LRU eviction) against the plugin's selection (see pressure.py).
-Prints the setups side by side with ratios, writes benchmarks/results/kv_tiers.json and appends a
-row to benchmarks/RESULTS.md. `--deadline-s` stops starting server lifetimes that would not finish
+Prints the setups side by side with ratios and writes benchmarks/results/kv_tiers/<--results-name>.json
+through the harness's recorder. `--deadline-s` stops starting server lifetimes that would not finish
 in time, and every finished lifetime's cells are saved to `--partial` as they come.
 
 With `--l3-latency-ms` / `--l3-mb-s`, stock HiCache and kv_tiers both put L3 on an emulated slow
@@ -431,7 +431,7 @@ def main() -> None:
     ap.add_argument("--sg-max-tokens", type=int, default=768, help="ShareGPT: longest history kept (tokens)")
     ap.add_argument("--sg-min-tokens", type=int, default=0,
                     help="ShareGPT: keep conversations whose last kept turn is at least this long")
-    ap.add_argument("--results-name", default="kv_tiers", help="benchmarks/results/<name>.json")
+    ap.add_argument("--results-name", default="bench_tiers", help="benchmarks/results/kv_tiers/<name>.json")
     ap.add_argument("--unique-setups", default="l1_only,kv_tiers", help="setups that also run the no-reuse trace")
     ap.add_argument("--rates", default="2.5,5", help="open-loop arrival rates (req/s over both servers)")
     ap.add_argument("--repeats", type=int, default=3)
