@@ -20,6 +20,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from kllm_plugins.bench import schedule
+from kllm_plugins.bench import trace as bench_trace
 from kllm_plugins.plugins.bigpd_router.core.registry import Role
 from kllm_plugins.plugins.bigpd_router.core.scaling import PoolDecider, ScalePolicy
 from kllm_plugins.plugins.bigpd_router.core.slo_load import PoolLoad
@@ -74,6 +76,17 @@ def trace(seed: int, duration: float) -> list[Req]:
             inp, o = rng.randint(500, 2000), rng.randint(50, 150)
         out.append(Req(t, inp, o, left=inp))
     return out
+
+
+def to_records(reqs: list[Req]) -> list[bench_trace.TraceRecord]:
+    """The trace in the harness's one format (Mooncake records; no prefix sharing: empty hash_ids)."""
+    return [bench_trace.TraceRecord(round(r.t * 1000.0, 3), r.inp, r.out, ()) for r in reqs]
+
+
+def from_records(records: list[bench_trace.TraceRecord]) -> list[Req]:
+    """Requests of a Mooncake trace (its own arrivals, relative to its first)."""
+    at = schedule.from_timestamps([r.timestamp for r in records])
+    return [Req(t, r.input_length, r.output_length, left=r.input_length) for t, r in zip(at, records)]
 
 
 def simulate(reqs: list[Req], setup: str, groups: int, start_delay: float,
@@ -249,13 +262,20 @@ def main() -> None:
                     help="pools lend idle instances to each other (SGLang /pd_role_switch) before starting new ones")
     ap.add_argument("--switch-delay-s", type=float, default=2.0, help="time a drained instance takes to flip")
     ap.add_argument("--no-record", action="store_true")
+    ap.add_argument("--trace-file", default="",
+                    help="replay this Mooncake JSONL trace (e.g. one sglang.bench_serving reads) for every seed "
+                         "instead of the synthetic one")
+    ap.add_argument("--write-trace", default="", help="write each seed's synthetic trace here, {seed} in the name")
     args = ap.parse_args()
     policy = ScalePolicy(up_load=args.up_load, down_load=args.down_load, up_sustain_s=args.up_sustain_s,
                          down_sustain_s=60, cooldown_s=args.cooldown_s, min_instances=args.min_instances,
                          max_instances=8, drain_timeout_s=120, urgent_load=args.urgent_load)
     rows = []
+    replayed = from_records(bench_trace.read_trace(args.trace_file)) if args.trace_file else None
     for seed in args.seeds:
-        reqs = trace(seed, args.duration_s)
+        reqs = replayed if replayed is not None else trace(seed, args.duration_s)
+        if args.write_trace and replayed is None:
+            bench_trace.write_trace(args.write_trace.format(seed=seed), to_records(reqs))
         for g in args.groups:
             rows.append(dict(simulate([Req(r.t, r.inp, r.out, left=r.inp) for r in reqs], "fixed", g,
                                       args.start_delay_s, policy), seed=seed))
