@@ -30,7 +30,8 @@ from traces import Scale, make, prompt_ids  # noqa: E402
 from workload import summarize  # noqa: E402
 
 POLICIES = ("fcfs", "lpm", "shortest-prefill-first", "hrrn", "fair_sched")
-COUNTERS = ("yields_to_short", "yields_to_decode", "limited_passes", "long_started", "long_finished", "long_chunks")
+COUNTERS = ("yields_to_short", "yields_to_decode", "limited_passes", "long_started", "long_finished", "long_chunks",
+            "chunks_cut_for_kv", "chunks_parked_for_kv")
 KEYS = ("ttft_s", "ttft_short_s", "ttft_long_s")
 
 
