@@ -129,7 +129,8 @@ def main() -> int:
                     try:
                         outs = run_jobs(srv.base_url, jobs_of(reqs, rate, f"s{seed}", a.trace_chunk, f"{p}-{seed}"))
                     except Exception as exc:  # noqa: BLE001 - recorded with the server's state; the others go on
-                        alive = srv.proc is not None and srv.proc.poll() is None
+                        alive = (srv.proc is not None and srv.proc.poll() is None
+                                 and not srv.grep_log(r"Scheduler hit an exception|SIGQUIT received"))
                         res.setdefault("errors", []).append({"chunk": chunk, "policy": p, "seed": seed, "error": repr(exc)[:500],
                                                              "server_alive": alive, "log_tail": srv.log_tail(40)[-4000:]})
                         write(a.out, res)
