@@ -7,8 +7,9 @@
 #   gpu    the other GPU tests of tests/gpu (kernels and copiers of our own, outside SGLang)
 #   speed  benchmarks/gpu/serving_speed.py (SGLang on kllm_cuda vs transformers, same GPU)
 #   smollm2  the SmolLM2-135M end-to-end test alone (its GGUF joined from parts over several calls)
-#   incr_prefix, router, fair_sched  benchmarks/gpu/<name>_gpu.py (plugin rows, stock vs plugin);
-#          extra arguments in $INCR_ARGS, $ROUTER_ARGS, $FAIR_ARGS; each stopped after $KLLM_STEP_TIMEOUT_S
+#   incr_prefix, router, fair_sched, affinity  benchmarks/gpu/<name>_gpu.py (plugin rows, stock vs plugin;
+#          router = router_overhead, affinity = router_affinity); extra arguments in $INCR_ARGS,
+#          $ROUTER_ARGS, $FAIR_ARGS, $AFF_ARGS; each stopped after $KLLM_STEP_TIMEOUT_S
 # Each pytest suite also writes one JSON line per finished test as it goes (pytest_progress.py), and
 # stops after $KLLM_SUITE_TIMEOUT_S seconds (default 3000) so its summary is still written: set it
 # below the device call's limit.
@@ -49,9 +50,10 @@ for suite in "$@"; do
       KLLM_PROGRESS_JSONL="$OUT/smollm2-junit.xml.jsonl" pytest_limited tests/gpu/test_sglang_cuda_platform_gpu.py -v -rA \
         -p no:cacheprovider --timeout 600 -k smollm2 --junitxml "$OUT/smollm2-junit.xml" > "$OUT/smollm2.log" 2>&1; r=$?
       $PY scripts/gpu/summarize_junit.py "$OUT/smollm2-junit.xml" smollm2 "$OUT/smollm2.json" ;;
-    incr_prefix|router|fair_sched)
-      case $suite in incr_prefix) extra=${INCR_ARGS:-} ;; router) extra=${ROUTER_ARGS:-} ;; *) extra=${FAIR_ARGS:-} ;; esac
-      script=$suite; [ "$suite" = router ] && script=router_overhead
+    incr_prefix|router|fair_sched|affinity)
+      case $suite in incr_prefix) extra=${INCR_ARGS:-} ;; router) extra=${ROUTER_ARGS:-} ;; affinity) extra=${AFF_ARGS:-} ;;
+        *) extra=${FAIR_ARGS:-} ;; esac
+      script=$suite; [ "$suite" = router ] && script=router_overhead; [ "$suite" = affinity ] && script=router_affinity
       timeout --kill-after=20 "${KLLM_STEP_TIMEOUT_S:-600}" $PY "benchmarks/gpu/${script}_gpu.py" --out "$OUT/$suite.json" \
         $extra > "$OUT/$suite.log" 2>&1; r=$?
       # its SGLang servers run in sessions of their own: a step cut at its limit leaves them on the GPU.
