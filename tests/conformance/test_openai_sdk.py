@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import pytest
 
-pytestmark = [pytest.mark.sglang, pytest.mark.e2e]
+pytestmark = [pytest.mark.sglang, pytest.mark.e2e, pytest.mark.slow]  # each waits on a shared server (35-110 s to start)
 
 openai = pytest.importorskip("openai")
 

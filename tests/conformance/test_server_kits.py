@@ -36,7 +36,7 @@ from sglang.test.kits.radix_cache_server_kit import gen_radix_tree
 from conformance_profiles import NOT_SERVED, PROFILES
 from kit_runner import flush_cache, kit_case
 
-pytestmark = [pytest.mark.sglang, pytest.mark.e2e]
+pytestmark = [pytest.mark.sglang, pytest.mark.e2e, pytest.mark.slow]  # each waits on a shared server (35-110 s to start)
 
 PROFILE_NAMES = list(PROFILES)
 
