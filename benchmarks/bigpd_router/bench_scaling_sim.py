@@ -20,7 +20,6 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from kllm_plugins.bench import schedule
 from kllm_plugins.bench import trace as bench_trace
 from kllm_plugins.plugins.bigpd_router.core.registry import Role
 from kllm_plugins.plugins.bigpd_router.core.scaling import PoolDecider, ScalePolicy
@@ -84,9 +83,8 @@ def to_records(reqs: list[Req]) -> list[bench_trace.TraceRecord]:
 
 
 def from_records(records: list[bench_trace.TraceRecord]) -> list[Req]:
-    """Requests of a Mooncake trace (its own arrivals, relative to its first)."""
-    at = schedule.from_timestamps([r.timestamp for r in records])
-    return [Req(t, r.input_length, r.output_length, left=r.input_length) for t, r in zip(at, records)]
+    """Requests of a Mooncake trace at its own arrivals (its timestamps are ms from the trace start)."""
+    return [Req(r.arrival_s, r.input_length, r.output_length, left=r.input_length) for r in records]
 
 
 def simulate(reqs: list[Req], setup: str, groups: int, start_delay: float,
