@@ -84,13 +84,25 @@ class ServerPool:
                 self._stop(name)
 
 
+_POOLS: list[ServerPool] = []
+
+
 @pytest.fixture(scope="session")
 def server_pool(smollm2_path: Path) -> Iterator[ServerPool]:
     pool = ServerPool(smollm2_path)
+    _POOLS.append(pool)
     try:
         yield pool
     finally:
         pool.close()
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    # after the suite's last test its servers stop, so the rest of a whole-suite run (CI) gets
+    # their memory and cores back instead of waiting for the session's end
+    if nextitem is None or Path(__file__).parent not in Path(nextitem.path).parents:
+        for pool in _POOLS:
+            pool.close()
 
 
 @pytest.fixture(scope="session")
