@@ -24,6 +24,7 @@ from typing import Any
 
 import aiohttp
 
+from kllm_plugins.bench.client import astream
 from kllm_plugins.plugins.bigpd_router.actuators.local_process import LocalProcessActuator
 from kllm_plugins.plugins.bigpd_router.config import RouterConfig
 from kllm_plugins.plugins.bigpd_router.core.registry import Role
@@ -79,15 +80,13 @@ async def drive(rurl: str, router: Router, prompts: list[list[int]], want: list[
         while time.monotonic() < stop_at[0]:
             k = (k + clients) % len(prompts)
             t = time.monotonic()
-            try:
-                async with s.post(rurl + "/generate", json={"input_ids": prompts[k], "sampling_params": {
-                        "max_new_tokens": n, "temperature": 0}}, timeout=aiohttp.ClientTimeout(total=120)) as r:
-                    body = await r.read()
-                    ok = r.status == 200 and json.loads(body).get("output_ids") == want[k]
-                    log.append({"t": round(t - t0, 2), "status": r.status, "correct": ok,
-                                "decode": r.headers.get("X-Kllm-Instance", ""), "s": round(time.monotonic() - t, 2)})
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                log.append({"t": round(t - t0, 2), "status": 0, "correct": False, "error": repr(exc)})
+            r = await astream(s, rurl + "/generate", {"input_ids": prompts[k], "sampling_params": {
+                "max_new_tokens": n, "temperature": 0}}, timeout=aiohttp.ClientTimeout(total=120))
+            row = {"t": round(t - t0, 2), "status": r.status, "correct": r.ok and r.last.get("output_ids") == want[k],
+                   "decode": next((v for h, v in r.headers.items() if h.lower() == "x-kllm-instance"), ""), "s": round(time.monotonic() - t, 2)}
+            if r.error:
+                row["error"] = r.error
+            log.append(row)
 
     async with aiohttp.ClientSession() as s:
         await asyncio.gather(watch(), *(client(c, s) for c in range(clients)))

@@ -1,5 +1,5 @@
-"""Benchmark helper (not library code): start a CPU SGLang server on a free port and drive it with a
-small streaming client that records TTFT, TPOT and latency per request.
+"""Benchmark helper (not library code): start a CPU SGLang server on a free port and drive it with the
+harness's streaming client (`kllm_plugins.bench.client.astream`), recording TTFT, TPOT and latency per request.
 
 Used by bench_fair_sched.py and by tests/sglang/test_fair_sched_e2e.py. Prompts are token ids
 (`input_ids`), so their lengths are exact; outputs use `ignore_eos` so their lengths are too.
@@ -7,7 +7,6 @@ Used by bench_fair_sched.py and by tests/sglang/test_fair_sched_e2e.py. Prompts 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import tempfile
 import time
@@ -16,6 +15,8 @@ from typing import Any, Sequence
 
 import aiohttp
 import requests
+
+from kllm_plugins.bench.client import astream
 
 EP_SHIM = "kllm_fair_sched_dev-0.0.dist-info"
 
@@ -80,35 +81,19 @@ class Outcome:
 
 async def _one(session: aiohttp.ClientSession, url: str, job: Job, t0: float) -> Outcome:
     await asyncio.sleep(max(0.0, t0 + job.arrival_s - time.perf_counter()))
-    start = time.perf_counter()
     payload = {
         "input_ids": job.input_ids,
         "sampling_params": {"max_new_tokens": job.max_new_tokens, "temperature": 0.0, "ignore_eos": True},
         "stream": True,
         "rid": job.rid,
     }
-    ttft = -1.0
-    out_ids: list[int] = []
-    finish: Any = None
-    cached = 0
-    async with session.post(url + "/generate", json=payload) as resp:
-        resp.raise_for_status()
-        async for raw in resp.content:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            data = json.loads(line[5:])
-            ids = data.get("output_ids") or []
-            if ids and ttft < 0:
-                ttft = time.perf_counter() - start
-            if ids:
-                out_ids = list(ids)
-            meta = data.get("meta_info") or {}
-            finish = meta.get("finish_reason") or finish
-            cached = int(meta.get("cached_tokens", cached) or 0)
-    end = time.perf_counter()
-    return Outcome(job.rid, job.kind, len(job.input_ids), job.arrival_s, ttft if ttft >= 0 else end - start,
-                   end - start, len(out_ids), out_ids, finish, cached)
+    r = await astream(session, url + "/generate", payload)
+    if not r.ok or not r.done:
+        raise RuntimeError(f"request {job.rid}: {r.error or f'status {r.status}, stream not finished'}")
+    out_ids = list(r.last.get("output_ids") or [])
+    ttft = r.ttft_s if r.ttft_s == r.ttft_s else r.e2e_s
+    return Outcome(job.rid, job.kind, len(job.input_ids), job.arrival_s, ttft, r.e2e_s, len(out_ids), out_ids,
+                   r.meta.get("finish_reason"), int(r.meta.get("cached_tokens", 0) or 0))
 
 
 async def _run(url: str, jobs: Sequence[Job]) -> list[Outcome]:

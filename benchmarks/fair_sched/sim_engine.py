@@ -41,6 +41,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from kllm_plugins.bench.stats import quantile  # noqa: E402
 from kllm_plugins.plugins.fair_sched.config import FairSchedConfig  # noqa: E402
 from kllm_plugins.plugins.fair_sched.core.partial import Candidate, PartialParams, plan_pass  # noqa: E402
 from kllm_plugins.plugins.fair_sched.core.quota import FairPolicy, QuotaParams, WaitingItem  # noqa: E402
@@ -311,10 +312,7 @@ def simulate(trace: list[TraceRequest], rate: float, policy: Any, chunk: int, cm
 
 
 def pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    k = (len(s) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+    return quantile(xs, q)  # the harness's (numpy.percentile's linear method)
 
 
 def summary(reqs: list[Req], long_tokens: int) -> dict[str, float]:

@@ -14,6 +14,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
+from kllm_plugins.bench.stats import quantile
+
 from serving import Job, Outcome
 
 
@@ -54,12 +56,8 @@ def make_trace(mix: Mix, n: int, rate: float, seed: int, prefix: str = "") -> li
 
 
 def pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    if not s:
-        return float("nan")
-    k = (len(s) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+    """The harness's quantile (numpy.percentile's linear method); NaN for no samples."""
+    return quantile(xs, q) if xs else float("nan")
 
 
 def _dist(xs: list[float]) -> dict[str, float]:

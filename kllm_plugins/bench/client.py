@@ -67,6 +67,7 @@ class Response:
     events: int = 0  # `data:` lines seen, `[DONE]` included
     done: bool = False  # the stream ended with `data: [DONE]`, or a non-streamed JSON answer was read
     meta: dict[str, Any] = field(default_factory=dict)  # the last event's (or the answer's) meta_info
+    last: dict[str, Any] = field(default_factory=dict)  # the last event (or the answer) whole, e.g. its output_ids
     error: str = ""  # transport error, or the start of an `"error"` in the body
     broken: bool = False  # the connection failed or was cut (a transport error, not an HTTP answer)
     headers: dict[str, str] = field(default_factory=dict)
@@ -82,7 +83,8 @@ async def astream(session: Any, url: str, body: dict[str, Any], *, timeout: Any 
     read the answer as `stream_generate` does. Transport errors (aiohttp's `ClientError`, `OSError`,
     a timeout) come back as `broken` with `error` set and `status` 0 (or the status already
     received), never raised.
-    `meta=False` skips decoding the last event (load generators that only time requests)."""
+    `meta=False` skips decoding the last event (load generators that only time requests); with it
+    `last` holds that event whole (SGLang's streamed events carry the output so far)."""
     out = Response()
     t0 = time.perf_counter()
     tail = b""
@@ -120,6 +122,7 @@ async def astream(session: Any, url: str, body: dict[str, Any], *, timeout: Any 
             except ValueError:
                 answer = None
             if isinstance(answer, dict):
+                out.last = answer
                 out.meta = answer.get("meta_info", {}) or {}
         return out
     out.done = tail.rstrip().endswith(DONE)
@@ -127,7 +130,8 @@ async def astream(session: Any, url: str, body: dict[str, Any], *, timeout: Any 
         payloads = [p for p in map(data_payload, tail.split(b"\n")) if p is not None]
         if payloads:
             try:
-                out.meta = json.loads(payloads[-1]).get("meta_info", {}) or {}
+                out.last = json.loads(payloads[-1])
+                out.meta = out.last.get("meta_info", {}) or {}
             except (ValueError, AttributeError):
-                pass
+                out.last = {}
     return out

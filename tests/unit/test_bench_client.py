@@ -83,6 +83,7 @@ def test_astream_reads_a_stream_as_stream_generate_does(sse_server) -> None:  # 
     assert bodies == [{"text": "hi", "stream": True}]
     assert r.ok and r.done and r.status == 200 and r.events == 3
     assert r.meta == {"completion_tokens": 2, "cached_tokens": 16}
+    assert r.last["text"] == "ab"  # the last event whole (SGLang's carry the output so far)
     assert 0 <= r.ttft_s <= r.last_chunk_s <= r.e2e_s
     assert r.headers["Content-Type"] == "text/event-stream"
     assert _astream(url, {"text": "hi", "stream": True}, meta=False).meta == {}
