@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_scaling_sim import Req, simulate, trace  # noqa: E402
 from loadgen import merge_results  # noqa: E402
 
+from kllm_plugins.bench.plot import figure  # noqa: E402
 from kllm_plugins.plugins.bigpd_router.core.registry import Role  # noqa: E402
 from kllm_plugins.plugins.bigpd_router.core.scaling import ScalePolicy  # noqa: E402
 
@@ -99,12 +100,12 @@ def frontier(rows: list[dict[str, Any]], setup: str) -> list[dict[str, Any]]:
 
 
 def plot(rows: list[dict[str, Any]], path: str, levels: list[float]) -> None:
-    import matplotlib
+    with figure(path, size=(8, 5)) as axes:
+        if axes is not None:
+            _draw(axes[0][0], rows, levels)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+def _draw(ax: Any, rows: list[dict[str, Any]], levels: list[float]) -> None:
     for setup, color, marker in (("fixed", "tab:gray", "s"), ("pools", "tab:blue", "o")):
         sel = [r for r in rows if r["setup"] == setup]
         ax.scatter([r["eval_instance_seconds"] for r in sel], [r["eval_attainment"] for r in sel], c=color,
@@ -119,8 +120,6 @@ def plot(rows: list[dict[str, Any]], path: str, levels: list[float]) -> None:
     ax.set_ylabel("SLO attainment (mean over held-out seeds)")
     ax.set_title("SIMULATION: fixed xPyD groups vs global pools + controller")
     ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 def main() -> None:

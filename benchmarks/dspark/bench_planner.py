@@ -49,6 +49,7 @@ os.environ.setdefault("SGLANG_RAGGED_VERIFY_MODE", "compact")
 
 from kllm_plugins import runtime  # noqa: E402
 from kllm_plugins.bench import stats  # noqa: E402
+from kllm_plugins.bench.plot import figure  # noqa: E402
 from kllm_plugins.bench.record import result_path, update_sections  # noqa: E402
 from kllm_plugins.attach import resolve_impl, resolve_target  # noqa: E402
 from kllm_plugins.plugins.dspark import hookimpls  # noqa: E402
@@ -413,15 +414,12 @@ def logging_quiet() -> None:
 
 
 def draw(path: str, rows: list[tuple[str, dict[int, list[PhaseStats]]]], seeds: list[int]) -> None:
-    try:
-        import matplotlib
+    with figure(path, size=(8, 4), dpi=100) as axes:
+        if axes is not None:
+            _bars(axes[0][0], rows, seeds)
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(no matplotlib: plot skipped)")
-        return
-    fig, ax = plt.subplots(figsize=(8, 4))
+
+def _bars(ax: Any, rows: list[tuple[str, dict[int, list[PhaseStats]]]], seeds: list[int]) -> None:
     names = [n for n, _ in rows]
     for phase, off in ((0, -0.2), (1, 0.2)):
         vals = [np.median([kr[s][phase].throughput() for s in seeds]) for _, kr in rows]
@@ -429,8 +427,6 @@ def draw(path: str, rows: list[tuple[str, dict[int, list[PhaseStats]]]], seeds: 
     ax.set_xticks(np.arange(len(rows)), names, rotation=20, ha="right")
     ax.set_ylabel("accepted tokens/s (simulated)")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
 
 
 if __name__ == "__main__":

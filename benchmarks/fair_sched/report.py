@@ -8,6 +8,8 @@ import statistics
 import time
 from typing import Any
 
+from kllm_plugins.bench.plot import figure
+
 POLICIES = ("fcfs", "lpm", "shortest-prefill-first", "hrrn", "fair_sched")
 
 METRICS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -78,15 +80,13 @@ def table(runs: list[dict[str, Any]], loads: list[float]) -> str:
 
 def plot(runs: list[dict[str, Any]], requests: dict[str, list[list[Any]]], loads: list[float], path: str, title: str) -> None:
     """TTFT CDF per policy, all / short / long requests, one row per load (seeds pooled)."""
-    try:
-        import matplotlib
+    with figure(path, rows=len(loads), cols=3, size=(15, 4.2 * len(loads)), dpi=100) as axes:
+        if axes is not None:
+            _draw_cdfs(axes, runs, requests, loads, title)
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot", flush=True)
-        return
-    fig, axes = plt.subplots(len(loads), 3, figsize=(15, 4.2 * len(loads)), squeeze=False)
+
+def _draw_cdfs(axes: Any, runs: list[dict[str, Any]], requests: dict[str, list[list[Any]]], loads: list[float],
+               title: str) -> None:
     for row, load in zip(axes, loads):
         for ax, kind in zip(row, ("all", "short", "long")):
             for policy in POLICIES:
@@ -100,10 +100,6 @@ def plot(runs: list[dict[str, Any]], requests: dict[str, list[list[Any]]], loads
             ax.grid(True, alpha=0.3)
         row[0].set_ylabel("fraction of requests")
     axes[0][0].legend()
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fig.savefig(path, dpi=100)
-    print(f"plot: {path}", flush=True)
 
 
 def write_json(path: str, mix: str, command: str, meta: dict[str, Any], runs: list[dict[str, Any]]) -> None:

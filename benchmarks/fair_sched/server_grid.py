@@ -28,6 +28,7 @@ import traces as tr  # noqa: E402
 from bench_fair_sched import counters, flush_cache, start_servers, warm_up  # noqa: E402
 from serving import Job, Outcome, run_jobs  # noqa: E402
 
+from kllm_plugins.bench.progress import Progress  # noqa: E402
 from kllm_plugins.bench.record import build_summary, result_path, write_summary  # noqa: E402
 from kllm_plugins.bench.stats import quantile  # noqa: E402
 
@@ -96,6 +97,7 @@ def main() -> None:
         run_jobs(servers["fcfs"].base_url, burst)
         capacity = args.cal_requests / (time.perf_counter() - t0)
         print(f"capacity {capacity:.3f} req/s ({args.trace}, burst of {args.cal_requests})", flush=True)
+        bar = Progress(args.seeds * len(args.policies) * len(args.loads), f"{args.trace} grid")
         for seed in range(args.seeds):
             order = list(args.policies) if seed % 2 == 0 else list(reversed(args.policies))
             for policy in order:
@@ -115,6 +117,7 @@ def main() -> None:
                             fair_counters[k] = fair_counters.get(k, 0) + v - before.get(k, 0)
                     print(f"[{time.time() - t_start:5.0f}s] {policy}@{load}/s{seed}: " +
                           " ".join(f"{k}={v:.3f}" for k, v in row.items()) + f" loadavg={os.getloadavg()[0]:.1f}", flush=True)
+                    bar.step(f"{policy}@{load}/s{seed}")
     cells: dict[str, Any] = {}
     lines = []
     for load in args.loads:

@@ -27,6 +27,8 @@ import sys
 import time
 from typing import Any
 
+from kllm_plugins.bench.plot import figure
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
@@ -308,15 +310,12 @@ def _append_results(path: str, command: str, points: list[dict[str, Any]], short
 
 
 def _plot(path: str, points: list[dict[str, Any]]) -> None:
-    try:
-        import matplotlib
+    with figure(path, dpi=120) as axes:
+        if axes is not None:
+            _draw(axes[0][0], points)
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot", file=sys.stderr)
-        return
-    fig, ax = plt.subplots()
+
+def _draw(ax: Any, points: list[dict[str, Any]]) -> None:
     for p in points:
         if p["scenario"] != "alone" or p["chunk_tokens"] != 8 * 1024:
             continue
@@ -328,7 +327,6 @@ def _plot(path: str, points: list[dict[str, Any]]) -> None:
     ax.set_xlabel("prompt tokens (8K chunks)")
     ax.set_ylabel("total tree time, s")
     ax.legend(fontsize=6)
-    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from kllm_plugins.bench.plot import figure
 from kllm_plugins.bench.record import record as write_record
 
 
@@ -200,17 +200,13 @@ def medium_note(args: argparse.Namespace) -> str:
 
 
 def plot(runs: list[dict[str, Any]], path: str) -> None:
-    try:
-        import matplotlib
-    except ImportError:  # not a dependency of the project: the figures are in the results already
-        print(f"plot skipped ({path}): matplotlib is not installed", file=sys.stderr)
-        return
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     traces = list(dict.fromkeys(r["trace"] for r in runs))
-    fig, axes = plt.subplots(1, len(traces), figsize=(5 * len(traces), 3.5), squeeze=False)
+    with figure(path, cols=len(traces), size=(5 * len(traces), 3.5), dpi=100) as axes:
+        if axes is not None:
+            _draw(axes, runs, traces)
+
+
+def _draw(axes: Any, runs: list[dict[str, Any]], traces: list[str]) -> None:
     for ax, tname in zip(axes[0], traces):
         rows = [r for r in runs if r["trace"] == tname]
         for r in rows:
@@ -221,5 +217,3 @@ def plot(runs: list[dict[str, Any]], path: str) -> None:
         ax.set_xlabel("req/s")
         ax.set_ylabel("TTFT P90 (s)")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path)
