@@ -142,12 +142,10 @@ def measure(engine: Any, batch: int, vocab: int, rep: int) -> dict[str, float]:
     return {"prefill_tok_s": batch * PROMPT / pre_wall, "ttft_s": ttft, "decode_tok_s": batch * DECODE / dec_wall}
 
 
-def summarize(samples: list[dict[str, float]]) -> dict[str, dict[str, float]]:
-    out = {}
-    for key in samples[0]:
-        vals = [s[key] for s in samples]
-        out[key] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
-    return out
+def summarize(samples: list[dict[str, float]]) -> dict[str, dict[str, Any]]:
+    from kllm_plugins.bench.stats import spread
+
+    return {key: spread([s[key] for s in samples]) for key in samples[0]}
 
 
 def bench_model(name: str, path: Path, dummy: bool, vocab: int, repeats: int, log: Callable[[str], None]) -> dict[str, Any]:
