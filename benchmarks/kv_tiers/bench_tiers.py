@@ -129,13 +129,22 @@ def server_thread_env(threads: int) -> dict[str, str]:
     return {} if threads <= 0 else {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
 
 
+def cpu_server(plugins: list[str], extra: list[str], env: dict[str, str], l1_tokens: int, tag: str) -> SGLangServer:
+    """One server of a setup on this CPU: the tiny model on the kllm_cpu platform."""
+    return SGLangServer(tiny_llama_path(), plugins=plugins, extra_args=[*SERVER_ARGS, *extra], env=env,
+                        max_total_tokens=l1_tokens, startup_timeout_s=400)
+
+
+SERVER_FACTORY = cpu_server
+"""Builds a setup's servers; benchmarks/gpu/kv_tiers_gpu.py puts the GPU's (8B-shaped model on kllm_cuda) here."""
+
+
 def setup_servers(name: str, store: str, args: argparse.Namespace | None, mdir: str, l1_tokens: int,
                   threads: int, count: int = 2, **l3_extra: Any) -> tuple[list[SGLangServer], list[str]]:
     """A setup's `count` servers (not started) sharing one L3 `store`, and their plugins."""
     extra, plugins, env = setup_args(name, store, args, mdir, **l3_extra)
-    servers = [SGLangServer(tiny_llama_path(), plugins=plugins, extra_args=[*SERVER_ARGS, *extra],
-                            env={**env, **server_thread_env(threads), "KLLM_KV_TIERS_INSTANCE_ID": f"{name}-{i}"},
-                            max_total_tokens=l1_tokens, startup_timeout_s=400) for i in range(count)]
+    servers = [SERVER_FACTORY(plugins, list(extra), {**env, **server_thread_env(threads), "KLLM_KV_TIERS_INSTANCE_ID": f"{name}-{i}"},
+                              l1_tokens, f"{name}-{i}") for i in range(count)]
     return servers, plugins
 
 

@@ -10,6 +10,8 @@
 #   incr_prefix, router, fair_sched, affinity  benchmarks/gpu/<name>_gpu.py (plugin rows, stock vs plugin;
 #          router = router_overhead, affinity = router_affinity); extra arguments in $INCR_ARGS,
 #          $ROUTER_ARGS, $FAIR_ARGS, $AFF_ARGS; each stopped after $KLLM_STEP_TIMEOUT_S
+#   kv_tiers  benchmarks/gpu/kv_tiers_gpu.py (bench_tiers.py on the GPU; its arguments in $KV_ARGS;
+#          summary under $OUT/benchmarks/results/kv_tiers/)
 # Each pytest suite also writes one JSON line per finished test as it goes (pytest_progress.py), and
 # stops after $KLLM_SUITE_TIMEOUT_S seconds (default 3000) so its summary is still written: set it
 # below the device call's limit.
@@ -58,6 +60,10 @@ for suite in "$@"; do
         $extra > "$OUT/$suite.log" 2>&1; r=$?
       # its SGLang servers run in sessions of their own: a step cut at its limit leaves them on the GPU.
       # On the lent machine (every GPU process ours) KLLM_DEVICE_CLEANUP=1 ends them; never elsewhere
+      [ "${KLLM_DEVICE_CLEANUP:-0}" = 1 ] && nvidia-smi --query-compute-apps=pid --format=csv,noheader | xargs -r kill -9 ;;
+    kv_tiers)
+      timeout --kill-after=20 "${KLLM_STEP_TIMEOUT_S:-600}" $PY benchmarks/gpu/kv_tiers_gpu.py --out-root "$OUT" -- \
+        ${KV_ARGS:-} > "$OUT/kv_tiers.log" 2>&1; r=$?
       [ "${KLLM_DEVICE_CLEANUP:-0}" = 1 ] && nvidia-smi --query-compute-apps=pid --format=csv,noheader | xargs -r kill -9 ;;
     *) echo "unknown suite $suite"; r=2 ;;
   esac

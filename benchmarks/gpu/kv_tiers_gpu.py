@@ -1,0 +1,57 @@
+"""GPU row of kv_tiers: benchmarks/kv_tiers/bench_tiers.py (L1 only vs stock HiCache vs kv_tiers with
+host L2 and an L3 file store on the machine's disk; hit rate per tier, TTFT, throughput at a TTFT SLO
+under open-loop load, the no-reuse control) with its servers on the GPU: the 8B-shaped random bf16
+model on kllm_cuda, CUDA graphs on, two servers per setup sharing the GPU (`--mem-fraction` each).
+
+Every argument after `--` goes to bench_tiers.py; the defaults below size the trace for the GPU
+(8K-token shared contexts in 16-token blocks, a 32K-token L1 per server). The summary goes to
+`<--results-root>/benchmarks/results/kv_tiers/<--results-name>.json` (on the device: $OUT).
+
+    python benchmarks/gpu/kv_tiers_gpu.py --out-root $OUT -- --repeats 2 [--cpu-dry-run]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "kv_tiers"))
+from gpu_bench_common import Setup  # noqa: E402
+
+GPU_DEFAULTS = ["--l1-tokens", "32768", "--system-blocks", "512", "--user-blocks", "32", "--answer-blocks", "8",
+                "--sessions", "16", "--turns", "3", "--rates", "2,4", "--slo-s", "2.0", "--server-threads", "0",
+                "--results-name", "gpu_tiers", "--traces", "unique,synthetic"]
+
+
+def main() -> int:
+    argv = sys.argv[1:]
+    ours, rest = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cpu-dry-run", action="store_true")
+    ap.add_argument("--mem-fraction", type=float, default=0.4)
+    ap.add_argument("--chunk", type=int, default=8192)
+    ap.add_argument("--out-root", default="", help="bench_tiers --results-root (default: the repository)")
+    a = ap.parse_args(ours)
+    import bench_tiers
+
+    setup = Setup(a.cpu_dry_run, max_positions=65536)
+
+    def gpu_server(plugins: list[str], extra: list[str], env: dict[str, str], l1_tokens: int, tag: str) -> Any:
+        return setup.server(plugins, ["--page-size", "16", "--chunked-prefill-size", str(a.chunk), *extra], env,
+                            l1_tokens, a.mem_fraction, graphs=True, strict=True, name=f"kv_tiers-{tag}")
+
+    if not setup.cpu:
+        bench_tiers.SERVER_FACTORY = gpu_server
+    merged = [] if setup.cpu else list(GPU_DEFAULTS)  # an option given after `--` comes later and wins
+    if a.out_root:
+        merged += ["--results-root", a.out_root]
+    sys.argv = [os.path.join(os.path.dirname(HERE), "kv_tiers", "bench_tiers.py"), *merged, *rest]
+    bench_tiers.main()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
