@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 from kllm_plugins import metrics, runtime
 from kllm_plugins.plugins.fair_sched.config import FairSchedConfig
-from kllm_plugins.plugins.fair_sched.core.quota import FairPolicy, PassPlan, WaitingItem
+from kllm_plugins.plugins.fair_sched.core.quota import FairPolicy, WaitingItem
 from kllm_plugins.plugins.fair_sched.core.repetition import RepetitionDetector
 from kllm_plugins.plugins.fair_sched.core.watermark import WatermarkGate, continuation_tokens
 from kllm_plugins.stats import StatsWriter
@@ -321,10 +321,21 @@ def around_shortest_prefill_chunk_limit(
 _adder_classes: dict[type, type] = {}
 
 
+def _refuse_second_truncation(has_chunked_req: bool) -> bool:
+    """A request would be truncated (become partially prefilled) while another is: the scheduler's
+    chunked request, or the one parked for a yield. Counted; the adder then refuses it."""
+    st = _state
+    if st is None or not (has_chunked_req or st.parked is not None):
+        return False
+    st.counters["second_truncation_refused"] += 1
+    return True
+
+
 def _fair_adder(base: type) -> type:
     if base in _adder_classes:
         return _adder_classes[base]
     from sglang.srt.managers.schedule_policy import AddReqResult
+    from sglang.srt.mem_cache.prefill_budget import PrefillBudget
 
     class FairPrefillAdder(base):  # type: ignore[misc, valid-type]
         """Refuses a second partially prefilled request and admission while the gate is closed;
@@ -332,6 +343,8 @@ def _fair_adder(base: type) -> type:
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
+            self._fair_kv_parked = False  # chunk_guard held the continuing chunk out: admit nothing
+            self._fair_has_chunked = False  # the scheduler's chunked request, as add_one_req was told
             st = _state
             if st is not None and st.extra_tokens and self.rem_chunk_tokens is not None:
                 self.rem_chunk_tokens += st.extra_tokens
@@ -341,12 +354,12 @@ def _fair_adder(base: type) -> type:
             cannot hold is cut to what fits, or sits out the pass (nothing else is admitted in it,
             so the batch is empty and no middle chunk is counted) while requests decode."""
             st = _state
-            budget = getattr(self, "memory_budget", None)
-            if (st is None or not st.cfg.chunk_guard or type(budget).__name__ != "PrefillBudget"
-                    or getattr(self, "dllm_config", None) is not None or not self.rem_chunk_tokens):
+            budget = self.memory_budget
+            if (st is None or not st.cfg.chunk_guard or type(budget) is not PrefillBudget
+                    or self.dllm_config is not None or not self.rem_chunk_tokens):
                 return super().add_chunked_req(req)
             left = budget.remaining_total
-            if left > 0:
+            if left > 0:  # budget left: SGLang's own min(chunk, budget) fits the free KV
                 return super().add_chunked_req(req)
             n = continuation_tokens(self.rem_chunk_tokens, left, budget._available_and_evictable(), self.page_size)
             if n is None:
@@ -362,34 +375,23 @@ def _fair_adder(base: type) -> type:
 
         def add_one_req(self, req: Any, has_chunked_req: bool, truncation_align_size: Any) -> Any:
             st = _state
-            if st is not None and (not st.admit or getattr(self, "_fair_kv_parked", False)):
+            if st is not None and (not st.admit or self._fair_kv_parked):
                 return AddReqResult.OTHER
             self._fair_has_chunked = has_chunked_req
             return super().add_one_req(req, has_chunked_req, truncation_align_size)
 
         def add_one_req_ignore_eos(self, req: Any) -> Any:
             """SGLang's path for ignore_eos requests without a radix cache truncates without
-            `_select_prefill_admission`: refuse the second truncation here too."""
-            st = _state
-            if (
-                st is not None
-                and (getattr(self, "_fair_has_chunked", False) or st.parked is not None)
-                and self.rem_chunk_tokens is not None
-                and len(req.full_untruncated_fill_ids) - req.prefix_len > self.rem_chunk_tokens
-            ):
-                st.counters["second_truncation_refused"] += 1
+            `_select_prefill_admission`: the same refusal of a second truncation as there."""
+            truncates = (self.rem_chunk_tokens is not None
+                         and len(req.full_untruncated_fill_ids) - req.prefix_len > self.rem_chunk_tokens)
+            if truncates and _refuse_second_truncation(self._fair_has_chunked):
                 return AddReqResult.OTHER
             return super().add_one_req_ignore_eos(req)
 
         def _select_prefill_admission(self, req: Any, **kwargs: Any) -> Any:
             admission = super()._select_prefill_admission(req, **kwargs)
-            st = _state
-            if (
-                st is not None
-                and getattr(admission, "is_chunked", False)
-                and (kwargs.get("has_chunked_req") or st.parked is not None)
-            ):
-                st.counters["second_truncation_refused"] += 1
+            if getattr(admission, "is_chunked", False) and _refuse_second_truncation(bool(kwargs.get("has_chunked_req"))):
                 return AddReqResult.OTHER
             return admission
 
