@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from pathlib import Path
-from typing import Iterator
+from types import ModuleType
+from typing import Callable, Iterator
 
 import pytest
 
@@ -77,3 +79,27 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
         if key.startswith("KLLM_") or key in ("SGLANG_PLATFORM", "SGLANG_PLUGINS"):
             monkeypatch.delenv(key)
     yield monkeypatch
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture
+def bench_module() -> Callable[[str, str], ModuleType]:
+    """Loads `benchmarks/<folder>/<name>.py` as a module (its folder on sys.path while it imports,
+    as when run as a script), for tests of what a benchmark's recorded figures rest on."""
+
+    def load(folder: str, name: str) -> ModuleType:
+        where = BENCHMARKS / folder
+        sys.path.insert(0, str(where))
+        try:
+            spec = importlib.util.spec_from_file_location(f"kllm_test_{folder}_{name}", where / f"{name}.py")
+            assert spec is not None and spec.loader is not None
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = mod  # dataclasses look their module up
+            spec.loader.exec_module(mod)
+            return mod
+        finally:
+            sys.path.remove(str(where))
+
+    return load

@@ -2,31 +2,15 @@
 and a written trace replays to the same simulated figures as the synthetic one."""
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Callable
 
 from kllm_plugins.bench.trace import read_trace, write_trace
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bigpd_router"
 
-
-def load(name: str) -> ModuleType:
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location(f"kllm_test_{name}", BENCH / f"{name}.py")
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = mod  # its dataclasses look their module up
-        spec.loader.exec_module(mod)
-        return mod
-    finally:
-        sys.path.remove(str(BENCH))
-
-
-def test_a_written_trace_replays_to_the_same_simulation(tmp_path: Path) -> None:
-    sim = load("bench_scaling_sim")
+def test_a_written_trace_replays_to_the_same_simulation(tmp_path: Path, bench_module: Callable[[str, str], ModuleType]) -> None:
+    sim = bench_module("bigpd_router", "bench_scaling_sim")
     reqs = sim.trace(4, 60.0)
     path = write_trace(tmp_path / "t.jsonl", sim.to_records(reqs))
     back = sim.from_records(read_trace(path))

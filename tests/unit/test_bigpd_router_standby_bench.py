@@ -1,28 +1,12 @@
 """The standby benchmarks' violation-window measures (what their recorded figures rest on)."""
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import ModuleType
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bigpd_router"
-
-
-def load(name: str) -> ModuleType:
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location(f"kllm_test_{name}", BENCH / f"{name}.py")
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
-    finally:
-        sys.path.remove(str(BENCH))
+from typing import Callable
 
 
-def test_real_bench_window_counts_bins_under_the_slo_and_when_the_last_ends() -> None:
-    real = load("bench_scaling_standby_real")
+def test_real_bench_window_counts_bins_under_the_slo_and_when_the_last_ends(bench_module: Callable[[str, str], ModuleType]) -> None:
+    real = bench_module("bigpd_router", "bench_scaling_standby_real")
     step = 100.0
     log = []
     for k in range(20):  # 20 s of step, 5 s bins: bins 0 and 2 slow, 1 and 3 fast
@@ -39,8 +23,8 @@ def test_real_bench_window_counts_bins_under_the_slo_and_when_the_last_ends() ->
     assert real.violation(fine, step, step + 20, 1.0, 5.0, 0.9)["violation_window_s"] == 0.0
 
 
-def test_sim_bench_window_and_same_config_pairs() -> None:
-    sim = load("bench_scaling_standby_sim")
+def test_sim_bench_window_and_same_config_pairs(bench_module: Callable[[str, str], ModuleType]) -> None:
+    sim = bench_module("bigpd_router", "bench_scaling_standby_sim")
     arrivals = [0.5 * k for k in range(60)]  # 30 s, 20 per 10 s bin
     missed = [t for t in arrivals if 10 <= t < 13]  # 6 of 20 missed in bin 1
     assert sim.violation_window_s(arrivals, missed) == sim.BIN_S
