@@ -50,6 +50,7 @@ os.environ.setdefault("SGLANG_RAGGED_VERIFY_MODE", "compact")
 from kllm_plugins import runtime  # noqa: E402
 from kllm_plugins.bench import stats  # noqa: E402
 from kllm_plugins.bench.plot import figure  # noqa: E402
+from kllm_plugins.bench.progress import track  # noqa: E402
 from kllm_plugins.bench.record import result_path, update_sections  # noqa: E402
 from kllm_plugins.attach import resolve_impl, resolve_target  # noqa: E402
 from kllm_plugins.plugins.dspark import hookimpls  # noqa: E402
@@ -313,15 +314,9 @@ def main() -> None:
     logging_quiet()
     t0 = time.time()
     seeds = list(range(args.seeds))
-    try:
-        from tqdm import tqdm
-    except ImportError:  # progress is cosmetic
-        def tqdm(x: Any, **_: Any) -> Any:  # type: ignore[no-redef]
-            return x
-
     # SLA: the median user speed that ours (throughput objective) gives after the load step, so
     # the SLA binds for about half the users and the objectives can differ.
-    ours = {s: simulate("ours", s, args.steps, 1.0, conf_noise=args.conf_noise) for s in tqdm(seeds, desc="ours", file=sys.stderr)}
+    ours = {s: simulate("ours", s, args.steps, 1.0, conf_noise=args.conf_noise) for s in track(seeds, "ours")}
     sla = args.sla or round(float(np.median([np.median(ours[s][1].finished_speeds) for s in seeds])), 1)
     runs: dict[str, dict[int, list[PhaseStats]]] = {}
     for kind in ("static", "sps_offline", "ours", "ours_sla", "oracle_cost"):
@@ -329,10 +324,10 @@ def main() -> None:
             runs[kind] = ours  # the SLA only enters its report, not its decisions
             continue
         runs[kind] = {s: simulate(kind, s, args.steps, sla, conf_noise=args.conf_noise)
-                      for s in tqdm(seeds, desc=kind, file=sys.stderr)}
+                      for s in track(seeds, kind)}
     static = runs["static"]
     fixed = {L: {s: simulate("fixed", s, args.steps, 0.0, fixed_len=L, conf_noise=args.conf_noise) for s in seeds}
-             for L in tqdm(range(1, GAMMA + 2), desc="fixed sweep", file=sys.stderr)}
+             for L in track(range(1, GAMMA + 2), "fixed sweep")}
 
     def med(kind_runs: dict[int, list[PhaseStats]], phase: int, what: str) -> tuple[float, float]:
         vals = [getattr(kind_runs[s][phase], what)() if what == "throughput" else kind_runs[s][phase].sla_attainment(sla) for s in seeds]

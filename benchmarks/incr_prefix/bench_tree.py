@@ -28,6 +28,7 @@ import time
 from typing import Any
 
 from kllm_plugins.bench.plot import figure
+from kllm_plugins.bench.progress import Progress
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -125,21 +126,6 @@ def _run_short(core: str, page: int, prompt: int, n: int) -> tuple[float, float]
     return statistics.median(times[0]), statistics.median(times[1])
 
 
-def _progress(total: int) -> Any:
-    try:
-        from tqdm import tqdm
-
-        return tqdm(total=total, file=sys.stderr, leave=False)
-    except ImportError:  # pragma: no cover
-        class _P:
-            def update(self, n: int = 1) -> None:
-                pass
-
-            def close(self) -> None:
-                pass
-
-        return _P()
-
 
 def _spread(xs: list[float]) -> str:
     return f"{min(xs):.4f}-{max(xs):.4f}" if len(xs) > 1 else "-"
@@ -186,7 +172,7 @@ def main() -> None:
                         if chunk < prompt:
                             grid.append((core, page, scenario, prompt, chunk))
     points: list[dict[str, Any]] = []
-    bar = _progress(len(grid))
+    bar = Progress(len(grid), "tree grid")
     for core, page, scenario, prompt, chunk in grid:
         stock_runs: list[dict[str, Any]] = []
         ours_runs: list[dict[str, Any]] = []
@@ -227,8 +213,7 @@ def main() -> None:
                 "ours_counters": ours_runs[0]["counters"],
             }
         )
-        bar.update(1)
-    bar.close()
+        bar.step()
     # The serving default is Rust, which the tail path cannot drive: also compare Rust stock
     # with the Python TreeCore + tail inserts (the force_python_treecore option).
     rust = {(p["page_size"], p["scenario"], p["prompt_tokens"], p["chunk_tokens"]): p for p in points if p["treecore"] == "rust"}

@@ -1,5 +1,5 @@
 """A one-line progress bar for long benchmark runs: `Progress(total, label)`, `.step(note)` after
-each unit of work. It writes `label [#####.....] 5/10 50% 1m20s, about 1m20s left: note` to stderr
+each unit of work, or `track(items, label)` around a loop. It writes `label [#####.....] 5/10 50% 1m20s, about 1m20s left: note` to stderr
 (the results go to stdout), on one line rewritten in place on a terminal and one line per step
 otherwise (a log file stays readable). The time left is the mean time per step so far times the
 steps left. An injected clock makes it testable. SGLang-free.
@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Callable, TextIO
+from typing import Callable, Iterable, Iterator, Sized, TextIO, TypeVar
+
+T = TypeVar("T")
 
 
 def _dur(s: float) -> str:
@@ -42,3 +44,13 @@ class Progress:
         end = "\n" if not tty or self.done >= self.total else ""
         self.stream.write(("\r" if tty else "") + self.line(note) + end)
         self.stream.flush()
+
+
+def track(items: Iterable[T], label: str = "", total: int | None = None, stream: TextIO | None = None) -> Iterator[T]:
+    """Yields `items`, stepping a Progress after each (total: len(items) unless given)."""
+    if total is None:
+        total = len(items) if isinstance(items, Sized) else 0
+    bar = Progress(total, label, stream=stream)
+    for item in items:
+        yield item
+        bar.step()

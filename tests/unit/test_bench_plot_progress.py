@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from kllm_plugins.bench import plot
-from kllm_plugins.bench.progress import Progress
+from kllm_plugins.bench.progress import Progress, track
 
 
 def test_figure_without_matplotlib_yields_none_and_says_so(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
@@ -52,3 +52,10 @@ def test_progress_lines_count_and_estimate_the_time_left() -> None:
     assert buf.getvalue().splitlines()[-1] == "grid [########] 4/4 100% 1m00s"
     with pytest.raises(ValueError):
         Progress(-1)
+
+
+def test_track_steps_after_each_item() -> None:
+    buf = io.StringIO()
+    assert list(track(range(3), "sweep", stream=buf)) == [0, 1, 2]
+    lines = buf.getvalue().splitlines()
+    assert len(lines) == 3 and lines[-1].startswith("sweep [####################] 3/3 100%")
