@@ -91,8 +91,7 @@ async def _one(session: aiohttp.ClientSession, url: str, job: Job, t0: float) ->
     if not r.ok or not r.done:
         raise RuntimeError(f"request {job.rid}: {r.error or f'status {r.status}, stream not finished'}")
     out_ids = list(r.last.get("output_ids") or [])
-    ttft = r.ttft_s if r.ttft_s == r.ttft_s else r.e2e_s
-    return Outcome(job.rid, job.kind, len(job.input_ids), job.arrival_s, ttft, r.e2e_s, len(out_ids), out_ids,
+    return Outcome(job.rid, job.kind, len(job.input_ids), job.arrival_s, r.ttft_s, r.e2e_s, len(out_ids), out_ids,
                    r.meta.get("finish_reason"), int(r.meta.get("cached_tokens", 0) or 0))
 
 

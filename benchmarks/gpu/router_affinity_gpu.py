@@ -35,7 +35,7 @@ from gpu_bench_common import Setup, header, log, spread, write  # noqa: E402
 from loadgen import free_port, py, spawn, stop, wait_http  # noqa: E402
 from serving import Job, run_jobs  # noqa: E402
 
-from kllm_plugins.bench.stats import quantile  # noqa: E402
+from kllm_plugins.bench.stats import distribution, ratio_of_medians  # noqa: E402
 from kllm_plugins.testing.sglang_server import PORT_PLACEHOLDER, flush_cache, start_all  # noqa: E402
 
 POLICIES = ("slo_affinity", "round_robin")
@@ -64,10 +64,10 @@ def run_policy(url: str, convs: list[list[tuple[list[int], list[int]]]], a: argp
             outs += run_jobs(url, jobs[i:i + a.concurrency])
     wall = time.perf_counter() - t0
     later = [o for o in outs if o.kind != "turn0"]  # turns that have a history to hit
-    ttft = [o.ttft_s for o in later]
+    d = distribution([o.ttft_s for o in later], (0.5, 0.9))
     return {"requests": len(outs), "wall_s": wall,
             "hit_rate": sum(o.cached_tokens for o in later) / max(1, sum(o.prompt_len for o in later)),
-            "ttft_mean_s": sum(ttft) / max(1, len(ttft)), "ttft_p50_s": quantile(ttft, 0.5), "ttft_p90_s": quantile(ttft, 0.9)}
+            "ttft_mean_s": d["mean"], "ttft_p50_s": d["p50"], "ttft_p90_s": d["p90"]}
 
 
 def main() -> int:
@@ -135,9 +135,9 @@ def main() -> int:
             metrics[pol] = {k: spread([r[k] for r in rs]) for k in ("hit_rate", "ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "wall_s")}
     pairs = [({r["policy"]: r for r in rows if r["repeat"] == k}) for k in range(a.repeats)]
     pairs = [p for p in pairs if len(p) == 2]
-    if pairs:
+    if pairs:  # repeats interleave the policies: paired ratios
         metrics["affinity_over_round_robin"] = {
-            k: spread([p["slo_affinity"][k] / max(p["round_robin"][k], 1e-9) for p in pairs])
+            k: ratio_of_medians([p["slo_affinity"][k] for p in pairs], [p["round_robin"][k] for p in pairs], paired=True)
             for k in ("ttft_mean_s", "ttft_p90_s", "wall_s")}
         metrics["hit_points_gained"] = spread([100 * (p["slo_affinity"]["hit_rate"] - p["round_robin"]["hit_rate"]) for p in pairs])
     res["metrics"] = metrics
