@@ -54,6 +54,9 @@ from kllm_plugins.plugins.bigpd_router.service.router import Router
 RESULT_NAME = "time_to_serve"
 """benchmarks/results/bigpd_router/time_to_serve.json"""
 ARGS = ["--max-total-tokens", "4096", "--sleep-on-idle"]
+# Where the servers run: the GPU driver (benchmarks/gpu/time_to_serve_gpu.py) replaces these four,
+# and MODELS, RESULTS_ROOT and PLATFORM_NOTE, before it calls main()
+ENV = {"SGLANG_PLATFORM": "kllm_cpu"}
 MILESTONES = [
     ("first_log", re.compile(r"^\[\d{4}-\d\d-\d\d ")),
     ("scheduler_up", re.compile(r"Init parallel begin")),
@@ -70,17 +73,34 @@ PHASES = [("decision_to_spawn", "decision", "spawn"), ("imports", "spawn", "firs
           ("router_registers", "ready", "routable"), ("first_request", "request_sent", "served")]
 STANDBY_PHASES = [("promote_and_register", "decision", "routable"), ("first_request", "request_sent", "served")]
 SHARED = "shared 2-core, several helpers running tests and servers: timings are noisy, load averages per start"
+MACHINE = None
+"""None: this machine, described with SHARED"""
+LABEL = "REAL SGLang CPU servers"
 BODY = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+RESULTS_ROOT = None
+"""None: the repository's benchmarks/results/"""
+PLATFORM_NOTE = ("Real SGLang 0.5.23 servers on the kllm CPU platform behind kllm-router; GPU figures: "
+                 "benchmarks/results/bigpd_router/gpu_time_to_serve.json")
+
+
+def tiny_path() -> str:
+    from kllm_plugins.models.tiny_llama import tiny_llama_path
+
+    return str(tiny_llama_path())
+
+
+def smollm2_path() -> str:
+    from kllm_plugins.models.smollm2 import smollm2_path as path
+
+    return str(path())
+
+
+MODELS = {"tiny": tiny_path, "smollm2": smollm2_path}
+"""name -> a function returning the model's folder (built or found on first call)"""
 
 
 def model_path(name: str) -> str:
-    if name == "tiny":
-        from kllm_plugins.models.tiny_llama import tiny_llama_path
-
-        return str(tiny_llama_path())
-    from kllm_plugins.models.smollm2 import smollm2_path
-
-    return str(smollm2_path())
+    return MODELS[name]()
 
 
 def weights_file(path: str) -> str | None:
@@ -143,7 +163,7 @@ async def first_served(rurl: str, timeout_s: float, tries: list[tuple[float, int
 
 
 async def one_start(model: str, path: str, how: str, log_dir: str, timeout_s: float) -> dict[str, Any]:
-    base = LocalProcessActuator(path, common_args=ARGS, env={"SGLANG_PLATFORM": "kllm_cpu", "PYTHONUNBUFFERED": "1"},
+    base = LocalProcessActuator(path, common_args=ARGS, env={**ENV, "PYTHONUNBUFFERED": "1"},
                                 log_dir=log_dir, stamp_log=True)
     # no refill: a replacement standby starting right after the promotion would compete with the
     # promoted instance's first requests for the two cores (measured: SmolLM2's first 8-token request
@@ -197,7 +217,7 @@ async def one_start(model: str, path: str, how: str, log_dir: str, timeout_s: fl
 
 
 def release_probe(model: str, path: str, log_dir: str) -> dict[str, Any]:
-    base = LocalProcessActuator(path, common_args=ARGS, env={"SGLANG_PLATFORM": "kllm_cpu"}, log_dir=log_dir)
+    base = LocalProcessActuator(path, common_args=ARGS, env=ENV, log_dir=log_dir)
     url = base.add(Role.PLAIN)
     out: dict[str, Any] = {"model": model}
     try:
@@ -233,7 +253,7 @@ def remote_instance_probe(model: str, path: str, log_dir: str) -> dict[str, Any]
     SGLang 0.5.23 uses without a transfer engine). Records what happens."""
     from kllm_plugins.testing.sglang_server import free_port
 
-    base = LocalProcessActuator(path, common_args=ARGS, env={"SGLANG_PLATFORM": "kllm_cpu"}, log_dir=log_dir)
+    base = LocalProcessActuator(path, common_args=ARGS, env=ENV, log_dir=log_dir)
     seed = base.add(Role.PLAIN)
     out: dict[str, Any] = {"model": model, "backend": "nccl"}
     try:
@@ -243,7 +263,7 @@ def remote_instance_probe(model: str, path: str, log_dir: str) -> dict[str, Any]
             *ARGS, "--load-format", "remote_instance", "--remote-instance-weight-loader-seed-instance-ip", "127.0.0.1",
             "--remote-instance-weight-loader-seed-instance-service-port", port,
             "--remote-instance-weight-loader-send-weights-group-ports", f"[{free_port()}]"],
-            env={"SGLANG_PLATFORM": "kllm_cpu"}, log_dir=log_dir)
+            env=ENV, log_dir=log_dir)
         url = target.add(Role.PLAIN)
         try:
             target.wait_ready(url, 300)
@@ -268,7 +288,7 @@ def spread(vals: list[float]) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", nargs="+", default=["tiny", "smollm2"], choices=["tiny", "smollm2"])
+    ap.add_argument("--models", nargs="+", default=list(MODELS)[:2], choices=list(MODELS))
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--paths", nargs="*", default=["cold", "warm", "standby"], choices=["cold", "warm", "standby"],
                     help="none: only the probes")
@@ -307,7 +327,7 @@ def summarize(args: argparse.Namespace, rows: list[dict[str, Any]], quiet: bool 
     """Per model and path: spreads of each phase over repeats, and ratios to cold (printed unless quiet)."""
     say = (lambda *a: None) if quiet else print
     summary: dict[str, Any] = {}
-    say("\nREAL SGLang CPU servers; seconds from the scale-up decision, median (min-max) over repeats")
+    say(f"\n{LABEL}; seconds from the scale-up decision, median (min-max) over repeats")
     for model in args.models:
         summary[model] = {}
         cols = [h for h in args.paths if any(r["model"] == model and r["path"] == h for r in rows)]
@@ -346,10 +366,11 @@ def record_run(args: argparse.Namespace, summary: dict[str, Any], rows: list[dic
     (model, probe) entries it measured; the others stay, each with the run that measured it."""
     from kllm_plugins.bench.record import build_summary, git_commit, result_path, write_summary
 
-    path = result_path("bigpd_router", RESULT_NAME)
+    path = result_path("bigpd_router", RESULT_NAME, RESULTS_ROOT)
     old: dict[str, Any] = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
     command = " ".join(["python", *sys.argv])
-    run = {"command": command, "commit": git_commit(),
+    commit = os.environ.get("KLLM_COMMIT") or git_commit()  # the device runs a git archive: no .git
+    run = {"command": command, "commit": commit,
            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start))}
     metrics: dict[str, Any] = dict(old.get("metrics") or {})
     for earlier in old.pop("runs", []):  # the layout before results/<plugin>/<name>.json: one entry per run
@@ -370,11 +391,10 @@ def record_run(args: argparse.Namespace, summary: dict[str, Any], rows: list[dic
     for r in rows:
         r["run"] = run
     data = build_summary(
-        command, metrics, shared=SHARED,
-        notes="Real SGLang 0.5.23 servers on the kllm CPU platform behind kllm-router; seconds from the "
-              "scale-up decision to the first request served through the router, median (min-max) over "
-              "interleaved repeats. Each cell names the run that measured it (metrics.<model>.<path>.run). "
-              "GPU figures: not measured here (no device time for this benchmark).",
+        command, metrics, shared=SHARED, machine=MACHINE, commit=commit,
+        notes=PLATFORM_NOTE + "; seconds from the scale-up decision to the first request served through "
+              "the router, median (min-max) over interleaved repeats. Each cell names the run that measured "
+              "it (metrics.<model>.<path>.run).",
         simulated=False, router={"health_interval_s": 0.5, "scale_interval_s": 0.25},
         starts=[*keep_rows, *rows], probes=[*keep_probes, *probes])
     write_summary(path, data)

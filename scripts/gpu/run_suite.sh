@@ -12,6 +12,8 @@
 #          $ROUTER_ARGS, $FAIR_ARGS, $AFF_ARGS; each stopped after $KLLM_STEP_TIMEOUT_S
 #   kv_tiers  benchmarks/gpu/kv_tiers_gpu.py (bench_tiers.py on the GPU; its arguments in $KV_ARGS;
 #          summary under $OUT/benchmarks/results/kv_tiers/)
+#   time_to_serve  benchmarks/gpu/time_to_serve_gpu.py (bench_time_to_serve.py on the GPU; its arguments
+#          in $TTS_ARGS; summary under $OUT/benchmarks/results/bigpd_router/)
 # Each pytest suite also writes one JSON line per finished test as it goes (pytest_progress.py), and
 # stops after $KLLM_SUITE_TIMEOUT_S seconds (default 3000) so its summary is still written: set it
 # below the device call's limit.
@@ -64,6 +66,10 @@ for suite in "$@"; do
     kv_tiers)
       timeout --kill-after=20 "${KLLM_STEP_TIMEOUT_S:-600}" $PY benchmarks/gpu/kv_tiers_gpu.py --out-root "$OUT" -- \
         ${KV_ARGS:-} > "$OUT/kv_tiers.log" 2>&1; r=$?
+      [ "${KLLM_DEVICE_CLEANUP:-0}" = 1 ] && nvidia-smi --query-compute-apps=pid --format=csv,noheader | xargs -r kill -9 ;;
+    time_to_serve)
+      timeout --kill-after=20 "${KLLM_STEP_TIMEOUT_S:-600}" $PY benchmarks/gpu/time_to_serve_gpu.py --out-root "$OUT" -- \
+        ${TTS_ARGS:-} > "$OUT/time_to_serve.log" 2>&1; r=$?
       [ "${KLLM_DEVICE_CLEANUP:-0}" = 1 ] && nvidia-smi --query-compute-apps=pid --format=csv,noheader | xargs -r kill -9 ;;
     *) echo "unknown suite $suite"; r=2 ;;
   esac
