@@ -2,9 +2,12 @@
 host L2 and an L3 file store on the machine's disk; hit rate per tier, TTFT, throughput at a TTFT SLO
 under open-loop load, the no-reuse control) with its servers on the GPU: the 8B-shaped random bf16
 model on kllm_cuda, CUDA graphs on, two servers per setup sharing the GPU (`--mem-fraction` each).
+Stock HiCache runs SGLang's default host layout (layer_first) with the `direct` I/O backend (its
+`kernel` backend needs sgl-kernel, absent here); the kv_tiers setups run `--tiers-layout`
+(page_first_direct by default: the plugin's staged L1<->L2 copier replaces the per-page copies).
 
 Every argument after `--` goes to bench_tiers.py; the defaults below size the trace for the GPU
-(8K-token shared contexts in 16-token blocks, a 32K-token L1 per server). The summary goes to
+(8K-token shared contexts in 16-token blocks, a 16K-token L1 per server; rates 1 and 2 req/s: 8K-token prefills take about 1 s each on the Triton backend, 4 req/s overloaded two servers in the first run). The summary goes to
 `<--results-root>/benchmarks/results/kv_tiers/<--results-name>.json` (on the device: $OUT).
 
     python benchmarks/gpu/kv_tiers_gpu.py --out-root $OUT -- --repeats 2 [--cpu-dry-run]
@@ -21,8 +24,8 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "kv_tiers"))
 from gpu_bench_common import Setup  # noqa: E402
 
-GPU_DEFAULTS = ["--l1-tokens", "32768", "--system-blocks", "512", "--user-blocks", "32", "--answer-blocks", "8",
-                "--sessions", "16", "--turns", "3", "--rates", "2,4", "--slo-s", "2.0", "--server-threads", "0",
+GPU_DEFAULTS = ["--l1-tokens", "16384", "--system-blocks", "512", "--user-blocks", "32", "--answer-blocks", "8",
+                "--sessions", "8", "--turns", "3", "--rates", "1,2", "--slo-s", "2.0", "--server-threads", "0",
                 "--results-name", "gpu_tiers", "--traces", "unique,synthetic"]
 
 
@@ -34,12 +37,17 @@ def main() -> int:
     ap.add_argument("--mem-fraction", type=float, default=0.4)
     ap.add_argument("--chunk", type=int, default=8192)
     ap.add_argument("--out-root", default="", help="bench_tiers --results-root (default: the repository)")
+    ap.add_argument("--tiers-layout", default="page_first_direct", choices=["page_first_direct", "layer_first"],
+                    help="HiCache host layout of the kv_tiers setups (page_first_direct engages the plugin's "
+                         "staged L1<->L2 copier; stock HiCache keeps SGLang's default layer_first)")
     a = ap.parse_args(ours)
     import bench_tiers
 
     setup = Setup(a.cpu_dry_run, max_positions=65536)
 
     def gpu_server(plugins: list[str], extra: list[str], env: dict[str, str], l1_tokens: int, tag: str) -> Any:
+        if "kv_tiers" in plugins:
+            extra = [a.tiers_layout if x == "layer_first" else x for x in extra]
         return setup.server(plugins, ["--page-size", "16", "--chunked-prefill-size", str(a.chunk), *extra], env,
                             l1_tokens, a.mem_fraction, graphs=True, strict=True, name=f"kv_tiers-{tag}")
 
