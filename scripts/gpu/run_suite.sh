@@ -78,6 +78,10 @@ for suite in "$@"; do
   tail -5 "$OUT/$suite.log" 2>/dev/null
 done
 rm -f "$OUT"/*-junit.xml
+# results written under $OUT/benchmarks/results/<plugin>/ come back from the top of $OUT (the device
+# tool dropped that folder once as too deep); the L3 stores and scratch beside them stay behind
+for f in "$OUT"/benchmarks/results/*/*.json; do [ -f "$f" ] && cp "$f" "$OUT/"; done
+rm -rf "$OUT/benchmarks"
 for f in "$OUT"/server-*.log; do [ -f "$f" ] && tail -n 4000 "$f" > "$f.t" && mv "$f.t" "$f"; done
 # the device tool brings back at most 8 files: the logs and progress lines travel as one archive
 (cd "$OUT" && ls *.log *.jsonl >/dev/null 2>&1 && tar -czf logs.tar.gz *.log *.jsonl && rm -f *.log *.jsonl)
