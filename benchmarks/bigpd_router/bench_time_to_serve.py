@@ -296,7 +296,14 @@ def main() -> None:
                     choices=["release", "remote_instance"])
     ap.add_argument("--timeout-s", type=float, default=600)
     ap.add_argument("--no-record", action="store_true")
+    ap.add_argument("--from-log", default="",
+                    help="record the rows and probes a run printed to this log (a run cut before its first "
+                         "repeat ended recorded nothing) instead of starting servers")
     args = ap.parse_args()
+    if args.from_log:
+        rows, probes = rows_from_log(args.from_log)
+        record_run(args, summarize(args, rows), rows, probes, time.time())
+        return
     log_dir = tempfile.mkdtemp(prefix="kllm-tts-")
     rows: list[dict[str, Any]] = []
     probes: list[dict[str, Any]] = []
@@ -321,6 +328,21 @@ def main() -> None:
     if args.no_record:
         return
     record_run(args, summary, rows, probes, t_start)
+
+
+def rows_from_log(path: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The start rows and probe entries main() printed (one JSON object per line) in a run's log."""
+    rows: list[dict[str, Any]] = []
+    probes: list[dict[str, Any]] = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if not line.startswith("{"):
+                continue
+            item = json.loads(line)
+            (probes if "probe" in item else rows if "path" in item else []).append(item)
+    if not rows and not probes:
+        raise SystemExit(f"{path}: no start rows or probes in this log")
+    return rows, probes
 
 
 def summarize(args: argparse.Namespace, rows: list[dict[str, Any]], quiet: bool = False) -> dict[str, Any]:

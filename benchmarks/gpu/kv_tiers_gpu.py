@@ -52,7 +52,13 @@ def main() -> int:
                             l1_tokens, a.mem_fraction, graphs=True, strict=True, name=f"kv_tiers-{tag}")
 
     if not setup.cpu:
+        import bench_report
+
         bench_tiers.SERVER_FACTORY = gpu_server
+        bench_report.MACHINE = f"{setup.machine()['gpu']}, lent machine, one job at a time"
+        bench_report.SHARED = None
+        bench_report.LABEL = (f"REAL SGLang servers on the H200 (kllm_cuda, CUDA graphs, Triton attention), "
+                              f"{setup.model_name()}, kv_tiers layout {a.tiers_layout}")
     merged = [] if setup.cpu else list(GPU_DEFAULTS)  # an option given after `--` comes later and wins
     if a.out_root:
         merged += ["--results-root", a.out_root]

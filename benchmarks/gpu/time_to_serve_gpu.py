@@ -10,6 +10,7 @@ The summary goes to `<--out-root>/benchmarks/results/bigpd_router/gpu_time_to_se
 device: $OUT). Arguments after `--` go to bench_time_to_serve.py.
 
     python benchmarks/gpu/time_to_serve_gpu.py --out-root $OUT -- --repeats 2 --paths cold standby
+    python benchmarks/gpu/time_to_serve_gpu.py -- --paths warm --from-log <the device run's time_to_serve.log>
     python benchmarks/gpu/time_to_serve_gpu.py --cpu-dry-run --out-root /tmp/tts -- --repeats 1 --paths warm standby --probes
 """
 from __future__ import annotations
@@ -48,10 +49,15 @@ def main() -> int:
         tts.BODY = {"input_ids": list(range(100, 132)), "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
         tts.LABEL = "REAL SGLang servers on the H200 (kllm_cuda)"
         tts.SHARED = None
-        tts.MACHINE = f"{setup.machine()['gpu']}, lent machine, one job at a time"
+        # --from-log records a device run's printed rows here, where there is no GPU to name
+        gpu = setup.machine()["gpu"] if "--from-log" not in rest else "NVIDIA H200 (rows from the device run's log)"
+        tts.MACHINE = f"{gpu}, lent machine, one job at a time"
         tts.PLATFORM_NOTE = ("Real SGLang 0.5.23 servers on one H200 (kllm_cuda platform, CUDA graphs on, Triton "
                              f"attention) behind kllm-router, {setup.model_name()} (--load-format dummy: weights "
                              "initialised on the GPU, not read from disk)")
+        if "--from-log" in rest:
+            tts.PLATFORM_NOTE += ("; recorded with --from-log from the rows a device run printed (that run was "
+                                  "cut at its step limit before its first repeat ended and recorded)")
     else:
         tts.LABEL = "CPU DRY RUN of the GPU driver (not a figure)"
         tts.PLATFORM_NOTE = "CPU dry run of benchmarks/gpu/time_to_serve_gpu.py (tiny model; not a figure)"

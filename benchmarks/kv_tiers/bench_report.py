@@ -12,6 +12,12 @@ from typing import Any
 from kllm_plugins.bench.plot import figure
 from kllm_plugins.bench.record import record as write_record
 
+# Where the servers ran: benchmarks/gpu/kv_tiers_gpu.py replaces these three for its GPU run
+MACHINE: str | None = None
+"""None: this machine, as the recorder describes it"""
+SHARED = "shared 2-core, several helpers; benchmarks under flock"
+LABEL = "CPU (2 cores, quiet), tiny Llama"
+
 
 def ideal_hit_rate(trace: list[dict[str, Any]], block: int = 16) -> float:
     """Hit rate of an unbounded shared cache: each request's longest block prefix seen before."""
@@ -161,7 +167,7 @@ def record(runs: list[dict[str, Any]], traces: dict[str, list[dict[str, Any]]], 
         doc["medium"] = args.medium
     try:
         out = write_record("kv_tiers", args.results_name, command, headline_metrics(runs), root=root,
-                           shared="shared 2-core, several helpers; benchmarks under flock", **doc)
+                           machine=MACHINE, shared=SHARED, **doc)
         print(f"recorded {out}")
     except ValueError as exc:  # over the recorder's size limit: keep the run, outside the results folder
         spill = Path(tempfile.gettempdir()) / f"kv_tiers_{args.results_name}.json"
@@ -171,7 +177,7 @@ def record(runs: list[dict[str, Any]], traces: dict[str, list[dict[str, Any]]], 
     if pressure:
         cells.append("[pressure] " + pressure["summary"])
     # the summary line (benchmarks/RESULTS.md is generated from the result files)
-    print(f"\n## kv_tiers (issue 7), CPU (2 cores, quiet), tiny Llama, two servers per setup, interleaved "
+    print(f"\n## kv_tiers (issue 7), {LABEL}, two servers per setup, interleaved "
           f"repeats, open-loop load{medium_note(args)}, {time.strftime('%Y-%m-%d %H:%M')}\n"
           f"`{command}` — L1 {args.l1_tokens} tokens per server, L2 2x L1, shared L3 folder; "
           f"{threads_note(args)}; {args.repeats} "

@@ -42,7 +42,8 @@ def result_path(plugin: str, name: str, root: Path | None = None) -> Path:
 
 
 def git_commit(root: Path | None = None) -> str:
-    """The checkout's HEAD (short), with `+dirty` when tracked files differ; `unknown` without git."""
+    """The checkout's HEAD (short), with `+dirty` when tracked files differ; without git (the GPU
+    machine runs a `git archive`) $KLLM_COMMIT, which the device command sets, else `unknown`."""
     cwd = str(root or repo_root())
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=cwd, capture_output=True,
@@ -50,7 +51,7 @@ def git_commit(root: Path | None = None) -> str:
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
                                capture_output=True, text=True, timeout=30).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
+        return os.environ.get("KLLM_COMMIT") or "unknown"
     return head + ("+dirty" if dirty else "")
 
 
