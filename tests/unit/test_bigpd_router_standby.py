@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 
 from kllm_plugins.plugins.bigpd_router.actuators.local_process import LocalProcessActuator
-from kllm_plugins.plugins.bigpd_router.actuators.standby_actuator import StandbyActuator
+from kllm_plugins.plugins.bigpd_router.actuators.standby_actuator import StandbyActuator, http_json
 from kllm_plugins.plugins.bigpd_router.config import RouterConfig
 from kllm_plugins.plugins.bigpd_router.core.registry import Health, Registry, Role
 from kllm_plugins.plugins.bigpd_router.core.scaling import ScalePolicy, ScalingController
@@ -146,8 +146,8 @@ def test_controller_instance_seconds_count_serving_and_standby() -> None:
     assert ctl.instance_seconds()["serving"] == pytest.approx(25.0)
 
 
-def _actuator(size: int, refill: bool = True) -> StandbyActuator:
-    base = LocalProcessActuator("unused", module=FAKE, stop_grace_s=5)
+def _actuator(size: int, refill: bool = True, args: tuple[str, ...] = ()) -> StandbyActuator:
+    base = LocalProcessActuator("unused", module=FAKE, stop_grace_s=5, common_args=args)
     # the fake backend starts in about half a second, faster than the default promotion prior (1 s),
     # and the pool would rightly prefer a cold start: the prior here is what a promotion costs
     times = StartTimes(promote_prior_s=0.001)
@@ -161,6 +161,21 @@ def _fill(act: StandbyActuator, n: int, timeout_s: float = 60) -> None:
         assert time.monotonic() < deadline, "standby not ready in time"
         act.fill_once()
         time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_standby_of_a_server_without_tokenizer_warms_up_with_token_ids(caplog: pytest.LogCaptureFixture) -> None:
+    """--skip-tokenizer-init (the GPU benchmarks' config-only model): SGLang answers a text prompt
+    400, and a text-only warm-up left the standby warming until its ready timeout."""
+    act = _actuator(1, refill=False, args=("--skip-tokenizer-init",))
+    try:
+        with caplog.at_level(logging.WARNING, logger="kllm.bigpd_router.standby_actuator"):
+            _fill(act, 1, timeout_s=30)
+        assert not any("refused its warm-up" in r.getMessage() for r in caplog.records)
+        url = act.pool.of(Role.PLAIN, State.READY)[0].url
+        assert http_json(url + "/generate", {"text": "x"})[0] == 400  # the server does refuse text
+    finally:
+        act.stop_all()
 
 
 @pytest.mark.slow

@@ -87,6 +87,7 @@ class StandbyActuator:
     poll_s: float = 0.25
     choices: dict[str, Choice] = field(default_factory=dict)
     """URL -> how it was added (the last few)."""
+    _warm_refused: set[str] = field(default_factory=set)
     _stop: threading.Event = field(default_factory=threading.Event)
     _wake: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -213,11 +214,8 @@ class StandbyActuator:
             status, _ = http_json(url + "/health", timeout_s=2)
             if status != 200:
                 return
-            if self.warm_request:
-                status, _ = http_json(url + "/generate", {"text": "warm up", "sampling_params": {
-                    "max_new_tokens": 1, "temperature": 0}}, timeout_s=120)
-                if status != 200:
-                    return
+            if self.warm_request and not self._warm_up(url):
+                return
         except OSError:
             return
         proc = self.base.procs.get(url)
@@ -228,6 +226,21 @@ class StandbyActuator:
             self.base.remove(url)
         elif self.release_memory:
             self._release(url)
+
+    def _warm_up(self, url: str) -> bool:
+        """One 1-token /generate: text, or token ids where the server refuses text (started with
+        --skip-tokenizer-init, as SGLang answers it: 400). A refusal is logged once per standby
+        (a standby that never warms up would otherwise wait silently for its ready timeout)."""
+        sampling = {"max_new_tokens": 1, "temperature": 0}
+        status, body = http_json(url + "/generate", {"text": "warm up", "sampling_params": sampling}, timeout_s=120)
+        if status == 400:
+            status, body = http_json(url + "/generate", {"input_ids": [0], "sampling_params": sampling}, timeout_s=120)
+        if status == 200:
+            return True
+        if url not in self._warm_refused:
+            self._warm_refused.add(url)
+            log.warning("standby %s refused its warm-up request (%s): %s", url, status, str(body)[:200])
+        return False
 
     def fill_once(self) -> None:
         """One pass of the filler: start what the pool wants, check the warming members."""

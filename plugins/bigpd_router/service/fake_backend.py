@@ -42,6 +42,8 @@ class FakeBackend:
     pd_role_switch: bool = False
     """Started with --enable-pd-role-switch: /server_info says so and, like SGLang 0.5.23, keeps
     reporting the launch role after a switch."""
+    skip_tokenizer_init: bool = False
+    """Started with --skip-tokenizer-init: like SGLang, a /generate with text is answered 400."""
     crash_on: str = ""
     """A request whose body contains this text 'kills' the server: that connection and every later
     one are dropped with no answer (a stand-in for SGLang's scheduler dying of a bad token id)."""
@@ -147,6 +149,9 @@ class FakeBackend:
             self.requests.append({"path": request.path, "body": body, "rid": request.headers.get("X-Request-Id")})
         if self.status_override:
             return web.json_response({"error": "injected"}, status=self.status_override)
+        if request.path == "/generate" and self.skip_tokenizer_init and body.get("text") is not None:
+            return web.json_response({"error": {"message": "The engine initialized with skip_tokenizer_init=True "
+                                                "cannot accept text prompts."}}, status=400)
         if request.path == "/generate":
             prompt = body.get("text") or " ".join(map(str, body.get("input_ids", [])))
             n = int(body.get("sampling_params", {}).get("max_new_tokens", 4))
@@ -235,10 +240,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--crash-on", default="", help="a request whose body contains this text kills the server")
     ap.add_argument("--model-info-path", default="", help="model_path reported by /model_info")
     ap.add_argument("--context-len", type=int, default=0, help="max_model_len reported by /v1/models")
+    ap.add_argument("--skip-tokenizer-init", action="store_true", help="refuse text prompts, as SGLang does")
     args, _ = ap.parse_known_args(argv)  # SGLang flags from an actuator are accepted and ignored
     fb = FakeBackend(ttft_s=args.ttft_s, tpot_s=args.tpot_s, role=args.disaggregation_mode,
                      bootstrap_port=args.disaggregation_bootstrap_port, record=False, crash_on=args.crash_on,
-                     model_path=args.model_info_path, context_len=args.context_len)
+                     model_path=args.model_info_path, context_len=args.context_len,
+                     skip_tokenizer_init=args.skip_tokenizer_init)
     web.run_app(fb.app(), host=args.host, port=args.port, print=None, access_log=None)
 
 
