@@ -8,6 +8,7 @@ platform at small sizes, so its logic is checked before device time is spent.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -80,6 +81,19 @@ class Setup:
 
     def model_name(self) -> str:
         return "tiny-llama (CPU dry run)" if self.cpu else "llama-3.1-8b-shape-random-bf16"
+
+
+def wrapper_args(argv: Sequence[str]) -> tuple[argparse.ArgumentParser, list[str], list[str]]:
+    """For a driver that wraps a CPU benchmark: a parser holding the common options (`--cpu-dry-run`,
+    `--mem-fraction`, `--out-root`), the driver's own arguments, and those after `--` (the wrapped
+    benchmark's)."""
+    argv = list(argv)
+    ours, rest = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cpu-dry-run", action="store_true")
+    ap.add_argument("--mem-fraction", type=float, default=0.4)
+    ap.add_argument("--out-root", default="", help="results under <this>/benchmarks/results (default: the repository)")
+    return ap, ours, rest
 
 
 def header(benchmark: str, command: str, setup: Setup, settings: dict[str, Any]) -> dict[str, Any]:

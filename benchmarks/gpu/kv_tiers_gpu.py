@@ -14,7 +14,6 @@ Every argument after `--` goes to bench_tiers.py; the defaults below size the tr
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from typing import Any
@@ -22,7 +21,7 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "kv_tiers"))
-from gpu_bench_common import Setup  # noqa: E402
+from gpu_bench_common import Setup, wrapper_args  # noqa: E402
 
 GPU_DEFAULTS = ["--l1-tokens", "16384", "--system-blocks", "512", "--user-blocks", "32", "--answer-blocks", "8",
                 "--sessions", "8", "--turns", "3", "--rates", "1,2", "--slo-s", "2.0", "--server-threads", "0",
@@ -30,13 +29,8 @@ GPU_DEFAULTS = ["--l1-tokens", "16384", "--system-blocks", "512", "--user-blocks
 
 
 def main() -> int:
-    argv = sys.argv[1:]
-    ours, rest = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--cpu-dry-run", action="store_true")
-    ap.add_argument("--mem-fraction", type=float, default=0.4)
+    ap, ours, rest = wrapper_args(sys.argv[1:])  # --out-root: bench_tiers --results-root
     ap.add_argument("--chunk", type=int, default=8192)
-    ap.add_argument("--out-root", default="", help="bench_tiers --results-root (default: the repository)")
     ap.add_argument("--tiers-layout", default="page_first_direct", choices=["page_first_direct", "layer_first"],
                     help="HiCache host layout of the kv_tiers setups (page_first_direct engages the plugin's "
                          "staged L1<->L2 copier; stock HiCache keeps SGLang's default layer_first)")

@@ -15,7 +15,6 @@ device: $OUT). Arguments after `--` go to bench_time_to_serve.py.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
@@ -23,18 +22,13 @@ from pathlib import Path
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "bigpd_router"))
-from gpu_bench_common import Setup  # noqa: E402
+from gpu_bench_common import Setup, wrapper_args  # noqa: E402
 
 MODEL = "llama8b"
 
 
 def main() -> int:
-    argv = sys.argv[1:]
-    ours, rest = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--cpu-dry-run", action="store_true")
-    ap.add_argument("--mem-fraction", type=float, default=0.4)
-    ap.add_argument("--out-root", default="", help="results under <this>/benchmarks/results (default: the repository)")
+    ap, ours, rest = wrapper_args(sys.argv[1:])
     a = ap.parse_args(ours)
     import bench_time_to_serve as tts
 
