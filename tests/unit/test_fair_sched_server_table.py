@@ -1,0 +1,33 @@
+"""The real-server grid table of docs/fair_sched.md is the one built from the recorded summaries."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import ModuleType
+from typing import Callable
+
+import pytest
+
+
+def test_doc_table_is_current(bench_module: Callable[[str, str], ModuleType]) -> None:
+    st = bench_module("fair_sched", "server_table")
+    text = st.DOC.read_text(encoding="utf-8")
+    assert st.render(text) == text, "run: python benchmarks/fair_sched/server_table.py --write"
+
+
+def test_rows_mark_missed_targets_and_name_the_best_stock_policy(
+        bench_module: Callable[[str, str], ModuleType], tmp_path: Path) -> None:
+    st = bench_module("fair_sched", "server_table")
+    means = {p: {"mean": m} for p, m in (("fcfs", 2.0), ("lpm", 3.0), ("shortest-prefill-first", 1.0),
+                                         ("hrrn", 1.5), ("fair_sched", 0.9))}
+    targets = {k: {"value": 1.1, "target": 1.0, "met": k != "p99 <= fcfs"} for k, _ in st.COLUMNS}
+    cell = {"seed_mean": means, "targets": targets, "outputs_identical_to_fcfs": {"fair_sched": 1.0, "lpm": 0.99}}
+    (tmp_path / "server_x_128.json").write_text(json.dumps(
+        {"trace": "x", "chunk": 128, "seeds": 3, "metrics": {"cells": {"0.85": cell, "0.6": cell}}}))
+    lines = st.table(tmp_path).splitlines()
+    assert [ln.split(" | ")[2] for ln in lines[2:]] == ["0.6", "0.85"]  # loads in order
+    row = lines[2].split(" | ")
+    assert row[4] == "shortest-prefill-first" and row[7] == "1.10 *" and row[5] == "1.10"
+    assert row[-1] == "NO |"  # one policy's outputs differ from fcfs
+    with pytest.raises(SystemExit, match="no <!-- generated:server-grid -->"):
+        st.render("no markers here", tmp_path)
