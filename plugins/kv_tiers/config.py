@@ -46,6 +46,11 @@ class KvTiersConfig:
     one, and price each fetch decision with the one for its state (off: one average over both)."""
     l3_read_gbps: float = option(1.0, "prior L3 read bandwidth (GB/s) until measured", gt=0)
     """Prior L3 read bandwidth (GB/s) until measured."""
+    l3_calibration_pages: int = option(
+        4, "pages the file store writes and reads back at start to measure L3 (0: the prior until served reads)", ge=0)
+    """Scratch pages the L3 file store writes and reads back when it opens, so that fetch-or-recompute
+    starts from this store's measured reads instead of `l3_read_gbps` (0: off). Without it a store
+    priced below the recompute is never read, and so never measured."""
     l2_load_gbps: float = option(10.0, "prior L2->L1 bandwidth (GB/s) until measured", gt=0)
     """Prior L2->L1 bandwidth (GB/s) until measured."""
     prefill_tokens_per_s: float = option(5000.0, "prior prefill speed until measured", gt=0)

@@ -47,7 +47,10 @@ def backend_factory(tmp_path, monkeypatch):
                # the store has room) has its own test
                "write_all_below_pressure": False,
                # and the reuse-window tests start dormant; the assumed-reuse start has its own test
-               "start_active": False, **extra}
+               "start_active": False,
+               # and the cost model starts from the priors each test sets; the start-up L3
+               # calibration has its own test
+               "l3_calibration_pages": 0, **extra}
         b = sglang_adapter.KllmFileStorage(_config(model, cfg), {})
         b.register_mem_pool_host(pool if pool is not None else _HostPool())
         return b
@@ -827,3 +830,19 @@ def test_l2_budget_counts_prefetches_whose_hit_query_has_not_run(backend_factory
     # a span that is not page-aligned counts its whole pages only (what HiCache can load)
     cache.ongoing_prefetch["r4"] = entry("r4", list(range(40)))
     assert pf._inflight(cache) == (3, 10 * 16 + 512 + 32)
+
+
+def test_the_store_measures_its_reads_at_start_and_leaves_only_its_namespace(backend_factory, tmp_path,
+                                                                              caplog) -> None:
+    """With the calibration on (the default), the cost model starts from this store's reads: a
+    store priced at a prior below the recompute would otherwise never be read, so never measured
+    (the H200 run refused every L3 prefetch on the 1 GB/s prior)."""
+    import logging
+
+    with caplog.at_level(logging.INFO):
+        b = backend_factory(l3_calibration_pages=4, l3_read_gbps=0.001)
+    snap = b.t.fetch.snapshot()
+    assert snap["l3_samples"] == 4.0
+    assert snap["l3_bandwidth_bytes_per_s"] > 0.001e9  # the prior (1 MB/s) is gone: page-cache reads
+    assert "L3 reads measured at start over 4 pages" in caplog.text
+    assert os.listdir(tmp_path) == [os.path.basename(b.store.folder)] and len(b.store) == 0

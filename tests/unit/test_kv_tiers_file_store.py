@@ -9,7 +9,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kllm_plugins.plugins.kv_tiers.core.file_store import FilePageStore
+from kllm_plugins.plugins.kv_tiers.core.fetch_policy import FetchOrRecompute
+from kllm_plugins.plugins.kv_tiers.core.cost_model import CostPrior
+from kllm_plugins.plugins.kv_tiers.core.file_store import FilePageStore, calibrate_reads
 from kllm_plugins.plugins.kv_tiers.core.page_format import HEADER_SIZE
 
 
@@ -344,3 +346,38 @@ def test_payload_checksum_is_crc32c_also_continued_across_parts(size: int) -> No
     if size <= 4097:
         assert crc32c(data) == reference(data)
     assert crc_of([data[: size // 3], memoryview(data[size // 3 :])]) == (size, crc32c(data))
+
+class _SlowStore(FilePageStore):
+    """A store whose served reads cost 5 ms more (as the benchmarks' slow medium adds its delay)."""
+
+    def _served(self, key: str, nbytes: int, seconds: float) -> None:
+        super()._served(key, nbytes, seconds + 0.005)
+
+
+@pytest.mark.parametrize("cls", [FilePageStore, _SlowStore])
+def test_calibration_measures_the_store_class_and_leaves_nothing(tmp_path, cls) -> None:
+    serving = cls(str(tmp_path), "ns", 1 << 20)
+    reads: list[tuple[str, int, float]] = []
+    fetch = FetchOrRecompute(1024, l2_prior=CostPrior(20e-6, 1e-10), l3_prior=CostPrior(200e-6, 1e-9),
+                             prefill_prior=CostPrior(0.0, 2e-4))
+
+    def scratch(ns: str) -> FilePageStore:
+        def seen(d: str, n: int, s: float) -> None:
+            reads.append((d, n, s))
+            if d == "read":
+                fetch.observe_transfer("l3", n, s)
+        return type(serving)(str(tmp_path), f"ns|{ns}", 1 << 20, shared=False, on_transfer=seen)
+
+    assert calibrate_reads(scratch, 4096, 4) == 4
+    got = [r for r in reads if r[0] == "read"]
+    assert len(got) == 4 and all(n == 4096 for _, n, _ in got)
+    assert sorted(os.listdir(tmp_path)) == [os.path.basename(serving.folder)]  # the scratch folder is gone
+    assert len(serving) == 0
+    snap = fetch.snapshot()
+    assert snap["l3_samples"] == 4.0
+    per_byte = 1.0 / snap["l3_bandwidth_bytes_per_s"]
+    # the prior (1 ns a byte) is replaced by these reads: equal page sizes, so all per byte
+    assert per_byte == pytest.approx(sum(s for _, _, s in got) / (4 * 4096), rel=1e-6)
+    if cls is _SlowStore:  # and the slow store's delay is in it
+        assert per_byte * 4096 >= 0.005
+    assert calibrate_reads(scratch, 4096, 0) == 0

@@ -452,6 +452,31 @@ class FilePageStore:
         self._forget(key, delete=fault not in (PageFault.FOREIGN, PageFault.SIZE_MISMATCH, PageFault.IO_ERROR))
 
 
+def calibrate_reads(make_store: Callable[[str], "FilePageStore"], page_nbytes: int, pages: int) -> int:
+    """Measure a store's reads before serving: `make_store(scratch_namespace)` opens a store of the
+    serving store's class on the same root (its reads reported through its `on_transfer`, as a
+    served page's are); `pages` scratch pages of `page_nbytes` are written, each read back, then
+    deleted with their folder. Right after the write the reads come from the page cache, as reads
+    of recently written pages do. Returns the pages read back (0 when the store refused them)."""
+    if pages <= 0 or page_nbytes <= 0:
+        return 0
+    store = make_store(f"calibration-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    payload = bytes(page_nbytes)
+    read = 0
+    try:
+        keys = [f"calibration-{i}" for i in range(pages)]
+        written = [k for k in keys if store.put(k, payload)]
+        for k in written:
+            read += store.get(k, page_nbytes) is not None
+    finally:
+        store.clear()
+        try:
+            os.rmdir(store.folder)
+        except OSError:
+            pass
+    return read
+
+
 def _unlink(path: str) -> None:
     try:
         os.unlink(path)

@@ -20,7 +20,7 @@ from typing import Any, Callable, List, Optional
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
-from kllm_plugins.plugins.kv_tiers.core.file_store import FilePageStore
+from kllm_plugins.plugins.kv_tiers.core.file_store import FilePageStore, calibrate_reads
 from kllm_plugins.plugins.kv_tiers.core.host_pages import PageBlocks
 from kllm_plugins.plugins.kv_tiers.core.tier_events import TierEventLog
 from kllm_plugins.plugins.kv_tiers.core.write_path import write_pages
@@ -77,11 +77,29 @@ class KllmFileStorage(HiCacheStorage):
         )
         t.store = self.store
         t.probe = self.store.exists
-        t.ensure_fetch_policy(self.page_nbytes // max(1, page_size))
+        fetch = t.ensure_fetch_policy(self.page_nbytes // max(1, page_size))
+        self._calibrate(namespace, fetch)
         self.pages = _page_blocks(mem_pool_host, self.page_nbytes)
         logger.info("kv_tiers L3 file store at %s (namespace %s, capacity %.1f GiB, %d pages adopted; "
                     "pages moved %s)", self.store.folder, namespace, self.capacity_bytes / (1 << 30),
                     len(self.store), "in place" if self.pages is not None else "through a staging copy")
+
+    def _calibrate(self, namespace: str, fetch: Any) -> None:
+        """Measure L3 reads once at start (`l3_calibration_pages`), through a scratch store of the
+        serving store's own class, so a store wrapped to be slower pays the same on these reads."""
+        pages = self.t.cfg.l3_calibration_pages
+        if not pages or self.store is None or self.page_nbytes is None:
+            return
+        cls, store = type(self.store), self.store
+
+        def scratch(ns: str) -> FilePageStore:
+            return cls(self.root, f"{namespace}|{ns}", (pages + 1) * (self.page_nbytes + 4096), fsync=store.fsync,
+                       shared=False, on_transfer=lambda d, n, s: self._on_transfer(d, n, s) if d == "read" else None)
+
+        n = calibrate_reads(scratch, self.page_nbytes, pages)
+        snap = fetch.snapshot()
+        logger.info("kv_tiers: L3 reads measured at start over %d pages: %.2f GB/s, %.2f ms latency", n,
+                    snap["l3_bandwidth_bytes_per_s"] / 1e9, snap["l3_latency_s"] * 1e3)
 
     def _on_transfer(self, direction: str, nbytes: int, seconds: float) -> None:
         if direction == "read" and self.t.fetch is not None:
