@@ -72,7 +72,8 @@ def checks(at: dict[str, list[dict[str, float]]], ours: str) -> dict[str, dict[s
 def run_sim_grid(args: Any) -> dict[str, Any]:
     scale = tr.SCALES[args.scale]
     chunk = args.chunk or scale.chunk
-    cm = se.COSTS[args.scale]
+    costs = getattr(args, "costs", "") or args.scale
+    cm = se.COSTS[costs]
     cfg = config_from(args.fair_env)
     long_tokens = 8 * scale.chunk  # reporting only: "long" = a prompt over 8 chunks of the trace's scale
     policies = list(se.STOCK) + list(se.OURS)
@@ -105,7 +106,9 @@ def run_sim_grid(args: Any) -> dict[str, Any]:
     lines.append(f"cells meeting every target: " + ", ".join(f"{p} {n}/{len(cells)}" for p, n in met.items()))
     print("\n".join(lines), flush=True)
     out = args.out or os.path.join(ROOT, "benchmarks", "results", f"fair_sched_sim_{args.scale}_{chunk}.json")
-    doc = {"kind": f"simulation ({args.scale} scale{'; production costs assumed, not measured' if args.scale == 'production' else ''})",
+    cost_note = {"production": "; production costs assumed, not measured",
+                 "h200": "; costs fitted to SGLang's measured prefill and decode on the H200 (see sim_engine.py)"}
+    doc = {"kind": f"simulation ({args.scale} scale{cost_note.get(costs, '')})", "costs": costs,
            "command": "python benchmarks/fair_sched/sim_engine.py " + " ".join(
                f"--{k.replace('_', '-')} {v if not isinstance(v, list) else ' '.join(v)}" for k, v in vars(args).items() if v not in ("", [], 0)),
            "commit": _commit(), "machine": platform.node() + " (shared, 2 cores; the simulation is deterministic)",

@@ -22,11 +22,21 @@ Cost models (seconds; a prefill row of k new tokens at context c; a decode step 
   first principles, NOT measured (replace with the H200 figures when the GPU platform issue
   lands): 10 ms a pass + 40 us a token (~0.33 s for 8192 tokens at short context) + attention
   1.3 ns x k x c (~5 s for a chunk at 500K context); a decode step 10 ms + 0.1 ms a request +
-  27 ps x context (KV read at ~4.8 TB/s).
+  27 ns x context token (its 128 KiB of KV read at ~4.8 TB/s);
+* `h200` (`--costs h200` with `--scale production`): the same shape fitted to what SGLang on the
+  kllm_cuda platform measured on the H200 (8B shape, bf16, Triton attention, CUDA graphs):
+  33.2 us a token (30.1K tokens/s prefilling 64 x 512 tokens, results/gpu/run3-speed.json);
+  attention 7.81 ns x k x c, least squares over single 32K / 64K / 128K-token prompts chunked
+  at 8192 (4.51 / 17.37 / 67.39 s measured, 4.29 / 16.97 / 67.49 s fitted;
+  results/incr_prefix/gpu_prefill_gap.json); a decode step 7.5 ms + 0.031 ms a request (batch
+  1 / 16 / 64 at 512-token prompts: 7.54 / 9.46 / 10.50 ms per step, run3-speed.json). Not
+  measured, kept from `production`: 10 ms of pass overhead and 27 ns per context token of a
+  decode step. The Triton attention makes long contexts about 6x costlier than `production`.
 Only ratios between policies on the same trace are meant.
 
     python benchmarks/fair_sched/sim_engine.py --scale cpu --chunk 128      # the CPU grid
     python benchmarks/fair_sched/sim_engine.py --scale production --chunk 8192
+    python benchmarks/fair_sched/sim_engine.py --scale production --costs h200 --chunk 8192
 """
 from __future__ import annotations
 
@@ -76,6 +86,7 @@ COSTS = {
     "cpu": Costs(0.008, 9.4e-5, _CTX * 0.5, _CTX * 0.5 / 128, 1.253e-8 / 128, 0.008, 0.0008,
                  _CTX * 0.5 + _CTX * 0.5 / 128, 1.253e-8 / 128),
     "production": Costs(0.010, 4.0e-5, 0.0, 1.3e-9, 0.0, 0.010, 1.0e-4, 2.7e-8),
+    "h200": Costs(0.010, 3.32e-5, 0.0, 7.81e-9, 0.0, 0.0075, 3.1e-5, 2.7e-8),
 }
 
 
@@ -338,6 +349,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--scale", choices=("cpu", "production"), default="cpu")
+    ap.add_argument("--costs", choices=tuple(COSTS), default="", help="cost model (default: the scale's own)")
     ap.add_argument("--chunk", type=int, default=0, help="0: the scale's chunk (128 / 8192)")
     ap.add_argument("--requests", type=int, default=400)
     ap.add_argument("--seeds", type=int, default=3)
