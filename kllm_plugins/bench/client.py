@@ -77,6 +77,23 @@ class Response:
         return self.status == 200 and not self.error
 
 
+def body_error(tail: bytes, streamed: bool) -> str | None:
+    """The start of an error the body carries, or None: a JSON object with a top-level "error" key,
+    the whole body (a non-streamed answer) or one `data:` event of a stream (`tail`: its end). A
+    generated text that is or contains "error" is not one (`{"text": "error", ...}`)."""
+    if b'"error"' not in tail:
+        return None
+    docs = ([tail] if not streamed else [p.encode() for p in map(data_payload, tail.split(b"\n")) if p is not None])
+    for doc in docs:
+        try:
+            obj = json.loads(doc)
+        except ValueError:
+            continue  # the cut first line of a tail, or a body that is not JSON
+        if isinstance(obj, dict) and "error" in obj:
+            return doc[:200].decode(errors="replace")
+    return None
+
+
 async def astream(session: Any, url: str, body: dict[str, Any], *, timeout: Any = None,
                   meta: bool = True) -> Response:
     """POST `body` to `url` (a full URL, e.g. `<base>/generate`) on an `aiohttp.ClientSession` and
@@ -110,9 +127,10 @@ async def astream(session: Any, url: str, body: dict[str, Any], *, timeout: Any 
     out.e2e_s = time.perf_counter() - t0
     if out.error:
         return out
-    i = tail.find(b'"error"')
-    if i >= 0 or out.status != 200:
-        out.error = f"{out.status} " + tail[max(0, i):max(0, i) + 200].decode(errors="replace")
+    found = body_error(tail, streamed=out.events > 0)
+    if found is not None or out.status != 200:
+        i = max(0, tail.find(b'"error"'))
+        out.error = f"{out.status} " + (found if found is not None else tail[i:i + 200].decode(errors="replace"))
         return out
     if not out.events:  # a non-streamed answer: its first token is its whole body
         out.ttft_s, out.done = out.e2e_s, True

@@ -115,3 +115,23 @@ def test_astream_returns_a_refused_connection_as_an_error() -> None:
         port = sock.getsockname()[1]
     r = _astream(f"http://127.0.0.1:{port}", {"text": "x"})
     assert not r.ok and r.broken and r.status == 0 and r.error and r.e2e_s >= 0
+
+
+def test_astream_does_not_take_a_generated_error_word_for_an_error(sse_server) -> None:  # type: ignore[no-untyped-def]
+    """A request whose output decodes to "error" (a real grid run's lognormal seed 0, token 1277 of
+    the tiny model) was counted as failed: the body held `"text":"error"`."""
+    url, _, chunks = sse_server
+    chunks += [b'data: {"text":"error","output_ids":[1277],"meta_info":{"finish_reason":null}}\n\n',
+               b'data: {"text":"error \\"error\\"","output_ids":[1277,5],"meta_info":{}}\n\n', b"data: [DONE]\n\n"]
+    r = _astream(url, {"text": "x", "stream": True})
+    assert r.ok and r.done and r.last["output_ids"] == [1277, 5]
+
+
+def test_body_error_finds_only_a_top_level_error_key() -> None:
+    from kllm_plugins.bench.client import body_error
+
+    assert body_error(b'{"error": {"message": "bad"}}', streamed=False) == '{"error": {"message": "bad"}}'
+    assert body_error(b'{"text": "error"}', streamed=False) is None
+    assert body_error(b'data: {"text": "error"}\n\ndata: {"error": "x"}\n\ndata: [DONE]\n\n', streamed=True) == '{"error": "x"}'
+    assert body_error(b'"error"}\n\ndata: {"text": "ok"}\n\n', streamed=True) is None  # a tail's cut first line
+    assert body_error(b"no error key here", streamed=False) is None
