@@ -391,7 +391,8 @@ def record_run(args: argparse.Namespace, summary: dict[str, Any], rows: list[dic
     path = result_path("bigpd_router", RESULT_NAME, RESULTS_ROOT)
     old: dict[str, Any] = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
     command = " ".join(["python", *sys.argv])
-    commit = os.environ.get("KLLM_COMMIT") or git_commit()  # the device runs a git archive: no .git
+    # rows recorded --from-log belong to the device run's commit ($KLLM_COMMIT), not this checkout's
+    commit = (os.environ.get("KLLM_COMMIT") if args.from_log else None) or git_commit()
     run = {"command": command, "commit": commit,
            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start))}
     metrics: dict[str, Any] = dict(old.get("metrics") or {})

@@ -72,7 +72,7 @@ def checks(at: dict[str, list[dict[str, float]]], ours: str) -> dict[str, dict[s
 def run_sim_grid(args: Any) -> dict[str, Any]:
     scale = tr.SCALES[args.scale]
     chunk = args.chunk or scale.chunk
-    costs = getattr(args, "costs", "") or args.scale
+    costs = args.costs or args.scale
     cm = se.COSTS[costs]
     cfg = config_from(args.fair_env)
     long_tokens = 8 * scale.chunk  # reporting only: "long" = a prompt over 8 chunks of the trace's scale

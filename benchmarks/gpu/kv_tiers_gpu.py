@@ -7,7 +7,9 @@ Stock HiCache runs SGLang's default host layout (layer_first) with the `direct` 
 (page_first_direct by default: the plugin's staged L1<->L2 copier replaces the per-page copies).
 
 Every argument after `--` goes to bench_tiers.py; the defaults below size the trace for the GPU
-(8K-token shared contexts in 16-token blocks, a 16K-token L1 per server; rates 1 and 2 req/s: 8K-token prefills take about 1 s each on the Triton backend, 4 req/s overloaded two servers in the first run). The summary goes to
+(8K-token shared contexts in 16-token blocks, a 16K-token L1 per server; rates 1 and 2 req/s:
+8K-token prefills take about 1 s each on the Triton backend, and 4 req/s overloaded two servers in
+the first run). The summary goes to
 `<--results-root>/benchmarks/results/kv_tiers/<--results-name>.json` (on the device: $OUT).
 
     python benchmarks/gpu/kv_tiers_gpu.py --out-root $OUT -- --repeats 2 [--cpu-dry-run]

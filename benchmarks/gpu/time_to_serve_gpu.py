@@ -33,6 +33,7 @@ def main() -> int:
     import bench_time_to_serve as tts
 
     setup = Setup(a.cpu_dry_run)
+    from_log = "--from-log" in rest  # a device run's printed rows, recorded here (no GPU to name)
     tts.RESULT_NAME = "gpu_time_to_serve"
     tts.RESULTS_ROOT = Path(a.out_root) if a.out_root else None
     tts.MODELS = {MODEL: lambda: setup.model}
@@ -43,13 +44,12 @@ def main() -> int:
         tts.BODY = {"input_ids": list(range(100, 132)), "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
         tts.LABEL = "REAL SGLang servers on the H200 (kllm_cuda)"
         tts.SHARED = None
-        # --from-log records a device run's printed rows here, where there is no GPU to name
-        gpu = setup.machine()["gpu"] if "--from-log" not in rest else "NVIDIA H200 (rows from the device run's log)"
+        gpu = "NVIDIA H200 (rows from the device run's log)" if from_log else setup.machine()["gpu"]
         tts.MACHINE = f"{gpu}, lent machine, one job at a time"
         tts.PLATFORM_NOTE = ("Real SGLang 0.5.23 servers on one H200 (kllm_cuda platform, CUDA graphs on, Triton "
                              f"attention) behind kllm-router, {setup.model_name()} (--load-format dummy: weights "
                              "initialised on the GPU, not read from disk)")
-        if "--from-log" in rest:
+        if from_log:
             tts.PLATFORM_NOTE += ("; recorded with --from-log from the rows a device run printed (that run was "
                                   "cut at its step limit before its first repeat ended and recorded)")
     else:

@@ -33,6 +33,12 @@ PY=python3
 pytest_limited() {
   timeout --kill-after=15 "${KLLM_SUITE_TIMEOUT_S:-3000}" $PY -m pytest -p pytest_progress "$@"
 }
+# the benchmark drivers' SGLang servers run in sessions of their own: a step cut at its limit leaves
+# them on the GPU. On the lent machine (every GPU process ours) KLLM_DEVICE_CLEANUP=1 ends them; never elsewhere
+device_cleanup() {
+  [ "${KLLM_DEVICE_CLEANUP:-0}" = 1 ] && nvidia-smi --query-compute-apps=pid --format=csv,noheader | xargs -r kill -9
+  return 0
+}
 rc=0
 for suite in "$@"; do
   start=$(date +%s)
@@ -60,17 +66,15 @@ for suite in "$@"; do
       script=$suite; [ "$suite" = router ] && script=router_overhead; [ "$suite" = affinity ] && script=router_affinity
       timeout --kill-after=20 "${KLLM_STEP_TIMEOUT_S:-600}" $PY "benchmarks/gpu/${script}_gpu.py" --out "$OUT/$suite.json" \
         $extra > "$OUT/$suite.log" 2>&1; r=$?
-      # its SGLang servers run in sessions of their own: a step cut at its limit leaves them on the GPU.
-      # On the lent machine (every GPU process ours) KLLM_DEVICE_CLEANUP=1 ends them; never elsewhere
-      [ "${KLLM_DEVICE_CLEANUP:-0}" = 1 ] && nvidia-smi --query-compute-apps=pid --format=csv,noheader | xargs -r kill -9 ;;
+      device_cleanup ;;
     kv_tiers)
       timeout --kill-after=20 "${KLLM_STEP_TIMEOUT_S:-600}" $PY benchmarks/gpu/kv_tiers_gpu.py --out-root "$OUT" -- \
         ${KV_ARGS:-} > "$OUT/kv_tiers.log" 2>&1; r=$?
-      [ "${KLLM_DEVICE_CLEANUP:-0}" = 1 ] && nvidia-smi --query-compute-apps=pid --format=csv,noheader | xargs -r kill -9 ;;
+      device_cleanup ;;
     time_to_serve)
       timeout --kill-after=20 "${KLLM_STEP_TIMEOUT_S:-600}" $PY benchmarks/gpu/time_to_serve_gpu.py --out-root "$OUT" -- \
         ${TTS_ARGS:-} > "$OUT/time_to_serve.log" 2>&1; r=$?
-      [ "${KLLM_DEVICE_CLEANUP:-0}" = 1 ] && nvidia-smi --query-compute-apps=pid --format=csv,noheader | xargs -r kill -9 ;;
+      device_cleanup ;;
     *) echo "unknown suite $suite"; r=2 ;;
   esac
   echo "suite $suite: rc=$r in $(( $(date +%s) - start )) s"

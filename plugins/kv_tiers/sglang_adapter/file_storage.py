@@ -90,10 +90,10 @@ class KllmFileStorage(HiCacheStorage):
         pages = self.t.cfg.l3_calibration_pages
         if not pages or self.store is None or self.page_nbytes is None:
             return
-        cls, store = type(self.store), self.store
+        cls = type(self.store)
 
         def scratch(ns: str) -> FilePageStore:
-            return cls(self.root, f"{namespace}|{ns}", (pages + 1) * (self.page_nbytes + 4096), fsync=store.fsync,
+            return cls(self.root, f"{namespace}|{ns}", (pages + 1) * (self.page_nbytes + 4096), fsync=self.t.cfg.fsync,
                        shared=False, on_transfer=lambda d, n, s: self._on_transfer(d, n, s) if d == "read" else None)
 
         n = calibrate_reads(scratch, self.page_nbytes, pages)
