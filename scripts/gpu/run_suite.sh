@@ -9,7 +9,8 @@
 #   smollm2  the SmolLM2-135M end-to-end test alone (its GGUF joined from parts over several calls)
 #   incr_prefix, router, fair_sched, affinity  benchmarks/gpu/<name>_gpu.py (plugin rows, stock vs plugin;
 #          router = router_overhead, affinity = router_affinity); extra arguments in $INCR_ARGS,
-#          $ROUTER_ARGS, $FAIR_ARGS, $AFF_ARGS; each stopped after $KLLM_STEP_TIMEOUT_S
+#          $ROUTER_ARGS, $FAIR_ARGS, $AFF_ARGS; each benchmark step stopped after $KLLM_STEP_TIMEOUT_<SUITE>_S
+#          (e.g. KLLM_STEP_TIMEOUT_ROUTER_S) or else $KLLM_STEP_TIMEOUT_S (default 600)
 #   kv_tiers  benchmarks/gpu/kv_tiers_gpu.py (bench_tiers.py on the GPU; its arguments in $KV_ARGS;
 #          summary under $OUT/benchmarks/results/kv_tiers/)
 #   time_to_serve  benchmarks/gpu/time_to_serve_gpu.py (bench_time_to_serve.py on the GPU; its arguments
@@ -39,6 +40,11 @@ device_cleanup() {
   [ "${KLLM_DEVICE_CLEANUP:-0}" = 1 ] && nvidia-smi --query-compute-apps=pid --format=csv,noheader | xargs -r kill -9
   return 0
 }
+# a benchmark step's limit: KLLM_STEP_TIMEOUT_<SUITE>_S, else KLLM_STEP_TIMEOUT_S, else 600
+step_limit() {
+  local v="KLLM_STEP_TIMEOUT_${1^^}_S"
+  echo "${!v:-${KLLM_STEP_TIMEOUT_S:-600}}"
+}
 rc=0
 for suite in "$@"; do
   start=$(date +%s)
@@ -54,7 +60,7 @@ for suite in "$@"; do
         --deselect tests/gpu/test_sglang_cuda_platform_gpu.py --junitxml "$OUT/gpu-junit.xml" > "$OUT/gpu.log" 2>&1; r=$?
       $PY scripts/gpu/summarize_junit.py "$OUT/gpu-junit.xml" gpu "$OUT/gpu.json" ;;
     speed)
-      timeout --kill-after=20 "${KLLM_STEP_TIMEOUT_S:-600}" $PY benchmarks/gpu/serving_speed.py --out "$OUT/speed.json" \
+      timeout --kill-after=20 "$(step_limit $suite)" $PY benchmarks/gpu/serving_speed.py --out "$OUT/speed.json" \
         ${SPEED_ARGS:-} > "$OUT/speed.log" 2>&1; r=$? ;;
     smollm2)
       KLLM_PROGRESS_JSONL="$OUT/smollm2-junit.xml.jsonl" pytest_limited tests/gpu/test_sglang_cuda_platform_gpu.py -v -rA \
@@ -64,15 +70,15 @@ for suite in "$@"; do
       case $suite in incr_prefix) extra=${INCR_ARGS:-} ;; router) extra=${ROUTER_ARGS:-} ;; affinity) extra=${AFF_ARGS:-} ;;
         *) extra=${FAIR_ARGS:-} ;; esac
       script=$suite; [ "$suite" = router ] && script=router_overhead; [ "$suite" = affinity ] && script=router_affinity
-      timeout --kill-after=20 "${KLLM_STEP_TIMEOUT_S:-600}" $PY "benchmarks/gpu/${script}_gpu.py" --out "$OUT/$suite.json" \
+      timeout --kill-after=20 "$(step_limit $suite)" $PY "benchmarks/gpu/${script}_gpu.py" --out "$OUT/$suite.json" \
         $extra > "$OUT/$suite.log" 2>&1; r=$?
       device_cleanup ;;
     kv_tiers)
-      timeout --kill-after=20 "${KLLM_STEP_TIMEOUT_S:-600}" $PY benchmarks/gpu/kv_tiers_gpu.py --out-root "$OUT" -- \
+      timeout --kill-after=20 "$(step_limit $suite)" $PY benchmarks/gpu/kv_tiers_gpu.py --out-root "$OUT" -- \
         ${KV_ARGS:-} > "$OUT/kv_tiers.log" 2>&1; r=$?
       device_cleanup ;;
     time_to_serve)
-      timeout --kill-after=20 "${KLLM_STEP_TIMEOUT_S:-600}" $PY benchmarks/gpu/time_to_serve_gpu.py --out-root "$OUT" -- \
+      timeout --kill-after=20 "$(step_limit $suite)" $PY benchmarks/gpu/time_to_serve_gpu.py --out-root "$OUT" -- \
         ${TTS_ARGS:-} > "$OUT/time_to_serve.log" 2>&1; r=$?
       device_cleanup ;;
     *) echo "unknown suite $suite"; r=2 ;;
