@@ -89,12 +89,18 @@ def main() -> None:
     ap.add_argument("--bs-fake-tpot-s", type=float, default=0.01)
     ap.add_argument("--bs-baseline-tree", help="also run the router code of this checkout, in the same rounds")
     ap.add_argument("--bs-max-s", type=float, default=0.0, help="start no round after this many seconds (0: no bound)")
+    ap.add_argument("--bs-pin", metavar="SERVER_CPUS:ROUTER_CPUS", default="",
+                    help="real backend only: run the server on SERVER_CPUS and the router and the client on "
+                         "ROUTER_CPUS (taskset lists, e.g. 1:0), one torch thread in the server, so that the "
+                         "router does not take CPU from the server; recorded as backend sglang-pinned")
     args = ap.parse_args()
+    if args.bs_pin and (args.bs_backend != "sglang" or not parse_pin(args.bs_pin)):
+        ap.error("--bs-pin needs --bs-backend sglang and the form SERVER_CPUS:ROUTER_CPUS, e.g. 1:0")
     if args.bench_serving:
         return bench_serving_overhead(args.bench_serving, args.bs_backend, args.rounds, args.bs_prompts,
                                       args.bs_input_len, args.bs_output_len, args.bs_concurrency,
                                       args.bs_fake_ttft_s, args.bs_fake_tpot_s, not args.no_record,
-                                      args.bs_baseline_tree, args.bs_max_s)
+                                      args.bs_baseline_tree, args.bs_max_s, parse_pin(args.bs_pin))
     load_before = os.getloadavg()
     tmp = tempfile.mkdtemp(prefix="kllm-bench-")
     procs = []
@@ -209,6 +215,23 @@ def main() -> None:
           f"medians; added P50/P99 over direct; load average before/after {load_before[0]:.2f}/{load_after[0]:.2f} | {summary}; max closed-loop req/s: {maxes} | `{command}` |")
 
 
+def parse_pin(spec: str) -> tuple[str, str] | None:
+    """"1:0" -> ("1", "0"): the server's CPU list and the router's (taskset -c syntax); None if absent
+    or malformed."""
+    server, sep, router = spec.partition(":")
+    ok = sep and all(part and all(c.isdigit() or c in ",-" for c in part) for part in (server, router))
+    return (server, router) if ok else None
+
+
+def cpu_list(spec: str) -> set[int]:
+    """taskset's list syntax, "0,2-3" -> {0, 2, 3}."""
+    out: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
 def _bench_serving_once(url: str, model_path: str, num_prompts: int, input_len: int, output_len: int,
                         concurrency: int, seed: int, out: str) -> dict[str, Any]:
     """One `sglang.bench_serving` run (its own `cli_main`, called in this process so the module is
@@ -239,7 +262,8 @@ BS_KEYS = ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "median_tpot_ms", "
 
 def bench_serving_overhead(model_path: str, backend: str, rounds: int, num_prompts: int, input_len: int,
                            output_len: int, concurrency: int, ttft_s: float, tpot_s: float, record: bool,
-                           baseline_tree: str | None = None, max_s: float = 0.0) -> None:
+                           baseline_tree: str | None = None, max_s: float = 0.0,
+                           pin: tuple[str, str] | None = None) -> None:
     """`sglang.bench_serving` directly against one backend and through kllm-router to it, interleaved
     (direct, router; then router, direct; ...), the same prompts (seed) for both in a round. The
     backend is the fake one (`fake`: paced tokens, no model, so only the router's cost differs) or a
@@ -248,7 +272,8 @@ def bench_serving_overhead(model_path: str, backend: str, rounds: int, num_promp
     against (added E2E - added TTFT) / (output_len - 1). Router CPU per relayed token is the router
     process's CPU time during its own rounds over the tokens it relayed. `baseline_tree`: the router
     code of another checkout runs as a third target in the same rounds (before/after a change).
-    `max_s` > 0: no new round starts after that many seconds (at least two rounds run)."""
+    `max_s` > 0: no new round starts after that many seconds (at least two rounds run). `pin`: the
+    server's and the router's CPU lists (the client runs on the router's)."""
     from kllm_plugins.bench.record import machine_description, record as write_record
     from kllm_plugins.bench.stats import ratio_of_medians, spread
 
@@ -269,7 +294,11 @@ def bench_serving_overhead(model_path: str, backend: str, rounds: int, num_promp
     else:
         from kllm_plugins.testing.sglang_server import SGLangServer
 
-        server = SGLangServer(model_path, max_total_tokens=8192, startup_timeout_s=480.0)
+        server = SGLangServer(model_path, max_total_tokens=8192, startup_timeout_s=480.0,
+                              env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"} if pin else None)
+        if pin:  # every process and thread of the server inherits the mask
+            server.args[:0] = ["taskset", "-c", pin[0]]
+            os.sched_setaffinity(0, cpu_list(pin[1]))  # this client, before it starts any thread
         server.start()
         base = server.base_url
         assert server.proc is not None
@@ -279,10 +308,13 @@ def bench_serving_overhead(model_path: str, backend: str, rounds: int, num_promp
         rport = free_port()
         cmd = router_cmd("kllm", rport, [base])
         assert cmd is not None
+        if pin:
+            cmd = ["taskset", "-c", pin[1], *cmd]
         if tree:  # the same command line on another checkout's plugins folder
             boot = ("import sys, kllm_plugins.plugins as p; p.__path__[:] = [sys.argv.pop(1) + '/plugins']; "
                     "from kllm_plugins.plugins.bigpd_router.service.cli import main; main()")
-            cmd = [py(), "-c", boot, tree, *cmd[3:]]
+            at = cmd.index(py())
+            cmd = [*cmd[:at], py(), "-c", boot, tree, *cmd[at + 3:]]
         proc = spawn(cmd, f"{tmp}/router-{name}.log")
         procs.append(proc)
         targets.append((name, f"http://127.0.0.1:{rport}", proc.pid))
@@ -369,6 +401,9 @@ def bench_serving_overhead(model_path: str, backend: str, rounds: int, num_promp
              "targets": "added median TTFT < 1 ms, added per output token < 0.05 ms", "targets_met": targets_met}
     if backend == "fake":
         setup.update(fake_ttft_s=ttft_s, fake_tpot_s=tpot_s)
+    if pin:
+        setup.update(server_cpus=pin[0], router_and_client_cpus=pin[1], server_torch_threads=1)
+        backend = "sglang-pinned"
     load_after = os.getloadavg()
     print(f"sglang.bench_serving via kllm-router vs direct, {backend} backend, {rounds} interleaved rounds: "
           f"added median TTFT {metrics['added_median_ttft_ms']['median']:.3f} ms "

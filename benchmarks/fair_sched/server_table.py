@@ -29,7 +29,7 @@ MARKERS = re.compile(r"(<!-- generated:server-grid -->\n)(.*?)(<!-- /generated:s
 def summaries(folder: Path = RESULTS) -> list[dict[str, Any]]:
     """The recorded grids, ordered by trace then chunk."""
     out = [json.loads(p.read_text(encoding="utf-8")) for p in sorted(folder.glob("server_*_*.json"))]
-    return sorted(out, key=lambda d: (str(d["trace"]), int(d["chunk"])))
+    return sorted(out, key=lambda d: (str(d["trace"]), int(d["chunk"]), str(d.get("date", ""))))
 
 
 def rows(summary: dict[str, Any]) -> list[str]:
@@ -40,14 +40,15 @@ def rows(summary: dict[str, Any]) -> list[str]:
         marks = [f"{cell['targets'][k]['value']:.2f}" + ("" if cell["targets"][k]["met"] else " *")
                  for k, _ in COLUMNS]
         same = all(v == 1.0 for v in cell["outputs_identical_to_fcfs"].values())
-        out.append(f"| {summary['trace']} | {summary['chunk']} | {load} | {summary['seeds']} | {best} | "
+        out.append(f"| {summary['trace']} | {summary['chunk']} | {load} | {summary['seeds']} | "
+                   f"{str(summary.get('date', ''))[:10]} | {best} | "
                    + " | ".join(marks) + f" | {'yes' if same else 'NO'} |")
     return out
 
 
 def table(folder: Path = RESULTS) -> str:
-    head = ["| trace | chunk | load | seeds | best stock (mean) | " + " | ".join(h for _, h in COLUMNS)
-            + " | outputs = fcfs |", "|" + "---|" * (len(COLUMNS) + 6)]
+    head = ["| trace | chunk | load | seeds | recorded | best stock (mean) | " + " | ".join(h for _, h in COLUMNS)
+            + " | outputs = fcfs |", "|" + "---|" * (len(COLUMNS) + 7)]
     body = [r for s in summaries(folder) for r in rows(s)]
     return "\n".join(head + body) + "\n"
 
