@@ -23,10 +23,11 @@ from serving_speed import LLAMA_8B  # noqa: F401  (the one definition of the sha
 GPU_ENV = {"SGLANG_PLATFORM": "kllm_cuda", "KLLM_CUDA_GRAPHS": "1"}
 
 
-def llama8b_folder(max_positions: int = 8192) -> Path:
-    """A config-only folder of Llama-3.1-8B's shape (bf16), with `max_positions` of RoPE."""
+def llama8b_folder(max_positions: int = 8192, **overrides: int) -> Path:
+    """A config-only folder of Llama-3.1-8B's shape (bf16), with `max_positions` of RoPE; `overrides`
+    replace config keys (e.g. num_hidden_layers=1 where only the scheduler's cost per pass matters)."""
     folder = Path(tempfile.mkdtemp(prefix="llama8b-shape-"))
-    (folder / "config.json").write_text(json.dumps({**LLAMA_8B, "max_position_embeddings": max_positions}))
+    (folder / "config.json").write_text(json.dumps({**LLAMA_8B, "max_position_embeddings": max_positions, **overrides}))
     return folder
 
 
@@ -34,15 +35,16 @@ class Setup:
     """Model and server flags of one benchmark: the 8B-shaped random bf16 model on the GPU, or the
     tiny model on the CPU platform (dry run)."""
 
-    def __init__(self, cpu_dry_run: bool, max_positions: int = 8192) -> None:
+    def __init__(self, cpu_dry_run: bool, max_positions: int = 8192, **shape: int) -> None:
         self.cpu = cpu_dry_run
+        self.shape = shape
         if cpu_dry_run:
             from kllm_plugins.models.tiny_llama import tiny_llama_path
 
             self.model = str(tiny_llama_path())
             self.vocab = 4000
         else:
-            self.model = str(llama8b_folder(max_positions))
+            self.model = str(llama8b_folder(max_positions, **shape))
             self.vocab = LLAMA_8B["vocab_size"]
 
     def args(self, mem_fraction: float, graphs: bool = True, graph_bs: int = 32) -> list[str]:
@@ -80,7 +82,9 @@ class Setup:
                 "(Triton attention, PyTorch sampling, no sgl-kernel/FlashInfer)"}
 
     def model_name(self) -> str:
-        return "tiny-llama (CPU dry run)" if self.cpu else "llama-3.1-8b-shape-random-bf16"
+        if self.cpu:
+            return "tiny-llama (CPU dry run)"
+        return "llama-3.1-8b-shape-random-bf16" + "".join(f", {k}={v}" for k, v in sorted(self.shape.items()))
 
 
 def wrapper_args(argv: Sequence[str]) -> tuple[argparse.ArgumentParser, list[str], list[str]]:

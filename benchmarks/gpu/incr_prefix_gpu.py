@@ -54,13 +54,22 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--chunk", type=int, default=8192)
     ap.add_argument("--mem-fraction", type=float, default=0.7)
+    ap.add_argument("--layers", type=int, default=0, help="layers of the random model (0: the 8B shape's 32); the "
+                    "gap between chunks is the scheduler's, so fewer layers reach 1M tokens within a device call")
+    ap.add_argument("--heads", type=int, default=0, help="attention heads (0: the 8B shape's 32); KV heads follow "
+                    "when fewer than its 8")
+    ap.add_argument("--single-repeat-from", type=int, default=131072,
+                    help="lengths from this one run once per mode")
     ap.add_argument("--cpu-dry-run", action="store_true")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     longest = max(a.lengths)
-    setup = Setup(a.cpu_dry_run, max_positions=max(8192, 1 << (longest + 1024).bit_length()))
+    shape = {k: v for k, v in (("num_hidden_layers", a.layers), ("num_attention_heads", a.heads),
+                               ("num_key_value_heads", min(8, a.heads) if a.heads else 0)) if v}
+    setup = Setup(a.cpu_dry_run, max_positions=max(8192, 1 << (longest + 1024).bit_length()), **shape)
     res = header("benchmarks/gpu/incr_prefix_gpu.py", "python " + " ".join(sys.argv), setup,
-                 {"lengths": a.lengths, "repeats": a.repeats, "chunk": a.chunk, "treecore": "python",
+                 {"lengths": a.lengths, "repeats": a.repeats, "chunk": a.chunk, "treecore": "python", "shape": shape,
+                  "single_repeat_from": a.single_repeat_from,
                   "modes": list(MODES), "output_tokens": 1})
     extra = ["--chunked-prefill-size", str(a.chunk), "--radix-cache-backend", "kllm_incremental"]
     env = {"KLLM_INCR_PREFIX_PUBLISH_INTERVAL_S": "0.1", "KLLM_TRACE_PUBLISH_INTERVAL_S": "0.1",
@@ -83,7 +92,7 @@ def main() -> int:
             srv.generate(input_ids=list(range(100, 100 + min(2 * a.chunk + 100, longest))), max_new_tokens=1)
         k = 0
         for length in a.lengths:
-            for rep in range(a.repeats if length < 131072 or setup.cpu else 1):
+            for rep in range(a.repeats if length < a.single_repeat_from or setup.cpu else 1):
                 order = list(MODES) if k % 2 == 0 else list(MODES)[::-1]
                 k += 1
                 for mode in order:
