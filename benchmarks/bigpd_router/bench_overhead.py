@@ -93,14 +93,23 @@ def main() -> None:
                     help="real backend only: run the server on SERVER_CPUS and the router and the client on "
                          "ROUTER_CPUS (taskset lists, e.g. 1:0), one torch thread in the server, so that the "
                          "router does not take CPU from the server; recorded as backend sglang-pinned")
+    ap.add_argument("--bs-gpu", action="store_true",
+                    help="real backend only: the server on the GPU (kllm_cuda platform, Triton attention, CUDA "
+                         "graphs); recorded as backend sglang-gpu in gpu_overhead_bench_serving.json")
+    ap.add_argument("--bs-out-root", default="",
+                    help="record under <this>/benchmarks/results (default: the repository; the device suite "
+                         "passes its output folder)")
     args = ap.parse_args()
+    if args.bs_gpu and (args.bs_backend != "sglang" or args.bs_pin):
+        ap.error("--bs-gpu needs --bs-backend sglang and no --bs-pin")
     if args.bs_pin and (args.bs_backend != "sglang" or not parse_pin(args.bs_pin)):
         ap.error("--bs-pin needs --bs-backend sglang and the form SERVER_CPUS:ROUTER_CPUS, e.g. 1:0")
     if args.bench_serving:
         return bench_serving_overhead(args.bench_serving, args.bs_backend, args.rounds, args.bs_prompts,
                                       args.bs_input_len, args.bs_output_len, args.bs_concurrency,
                                       args.bs_fake_ttft_s, args.bs_fake_tpot_s, not args.no_record,
-                                      args.bs_baseline_tree, args.bs_max_s, parse_pin(args.bs_pin))
+                                      args.bs_baseline_tree, args.bs_max_s, parse_pin(args.bs_pin),
+                                      args.bs_gpu, args.bs_out_root)
     load_before = os.getloadavg()
     tmp = tempfile.mkdtemp(prefix="kllm-bench-")
     procs = []
@@ -215,6 +224,22 @@ def main() -> None:
           f"medians; added P50/P99 over direct; load average before/after {load_before[0]:.2f}/{load_after[0]:.2f} | {summary}; max closed-loop req/s: {maxes} | `{command}` |")
 
 
+def _datasets_for_bench_serving() -> None:
+    """`sglang.bench_serving` imports every dataset loader, and the MMMU one imports `datasets` at
+    module level; the GPU image lacks that package. Where it is missing, a module whose
+    `load_dataset` raises stands in, so the random-ids runs here import (no loader of ours uses it)."""
+    try:
+        import datasets  # noqa: F401
+    except ImportError:
+        import types
+
+        def load_dataset(*_a: Any, **_k: Any) -> Any:
+            raise ImportError("the `datasets` package is not installed (only random-ids runs work here)")
+
+        sys.modules["datasets"] = types.ModuleType("datasets")
+        sys.modules["datasets"].load_dataset = load_dataset  # type: ignore[attr-defined]
+
+
 def parse_pin(spec: str) -> tuple[str, str] | None:
     """"1:0" -> ("1", "0"): the server's CPU list and the router's (taskset -c syntax); None if absent
     or malformed."""
@@ -263,7 +288,7 @@ BS_KEYS = ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "median_tpot_ms", "
 def bench_serving_overhead(model_path: str, backend: str, rounds: int, num_prompts: int, input_len: int,
                            output_len: int, concurrency: int, ttft_s: float, tpot_s: float, record: bool,
                            baseline_tree: str | None = None, max_s: float = 0.0,
-                           pin: tuple[str, str] | None = None) -> None:
+                           pin: tuple[str, str] | None = None, gpu: bool = False, out_root: str = "") -> None:
     """`sglang.bench_serving` directly against one backend and through kllm-router to it, interleaved
     (direct, router; then router, direct; ...), the same prompts (seed) for both in a round. The
     backend is the fake one (`fake`: paced tokens, no model, so only the router's cost differs) or a
@@ -273,12 +298,15 @@ def bench_serving_overhead(model_path: str, backend: str, rounds: int, num_promp
     process's CPU time during its own rounds over the tokens it relayed. `baseline_tree`: the router
     code of another checkout runs as a third target in the same rounds (before/after a change).
     `max_s` > 0: no new round starts after that many seconds (at least two rounds run). `pin`: the
-    server's and the router's CPU lists (the client runs on the router's)."""
+    server's and the router's CPU lists (the client runs on the router's). `gpu`: the server runs on
+    the GPU through the kllm_cuda platform, and the summary goes to its own file (the fake backend's
+    rows are kept apart too when `out_root` is given: a device run records only what it measured)."""
     from kllm_plugins.bench.record import machine_description, record as write_record
     from kllm_plugins.bench.stats import ratio_of_medians, spread
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    _datasets_for_bench_serving()
     tmp = tempfile.mkdtemp(prefix="kllm-bs-")
     load_before = os.getloadavg()
     server = None
@@ -294,8 +322,13 @@ def bench_serving_overhead(model_path: str, backend: str, rounds: int, num_promp
     else:
         from kllm_plugins.testing.sglang_server import SGLangServer
 
-        server = SGLangServer(model_path, max_total_tokens=8192, startup_timeout_s=480.0,
-                              env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"} if pin else None)
+        env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"} if pin else None
+        extra: list[str] = []
+        if gpu:
+            env = {"SGLANG_PLATFORM": "kllm_cuda", "KLLM_CUDA_GRAPHS": "1"}
+            extra = ["--sampling-backend", "pytorch", "--attention-backend", "triton", "--mem-fraction-static", "0.3"]
+        server = SGLangServer(model_path, max_total_tokens=8192, startup_timeout_s=480.0, env=env,
+                              extra_args=extra, cpu_platform=not gpu)
         if pin:  # every process and thread of the server inherits the mask
             server.args[:0] = ["taskset", "-c", pin[0]]
             os.sched_setaffinity(0, cpu_list(pin[1]))  # this client, before it starts any thread
@@ -404,6 +437,8 @@ def bench_serving_overhead(model_path: str, backend: str, rounds: int, num_promp
     if pin:
         setup.update(server_cpus=pin[0], router_and_client_cpus=pin[1], server_torch_threads=1)
         backend = "sglang-pinned"
+    if gpu:
+        backend = "sglang-gpu"
     load_after = os.getloadavg()
     print(f"sglang.bench_serving via kllm-router vs direct, {backend} backend, {rounds} interleaved rounds: "
           f"added median TTFT {metrics['added_median_ttft_ms']['median']:.3f} ms "
@@ -421,7 +456,10 @@ def bench_serving_overhead(model_path: str, backend: str, rounds: int, num_promp
         return
     from kllm_plugins.bench.record import load_summary, result_path
 
-    path = result_path("bigpd_router", "overhead")
+    from pathlib import Path
+
+    name = "gpu_overhead_bench_serving" if gpu or out_root else "overhead"
+    path = result_path("bigpd_router", name, Path(out_root) if out_root else None)
     old = load_summary(path) if path.exists() else {}
     parts = {k: v for k, v in (old.get("metrics") or {}).items() if k != backend}
     parts[backend] = metrics
@@ -430,8 +468,13 @@ def bench_serving_overhead(model_path: str, backend: str, rounds: int, num_promp
                            load_average_before_after=[round(load_before[0], 2), round(load_after[0], 2)])
     commands = {k: v for k, v in (old.get("commands") or {}).items() if k != backend}
     commands[backend] = " ".join(["python", *sys.argv])
-    write_record("bigpd_router", "overhead", " && ".join(commands[k] for k in sorted(commands)), parts,
-                 machine=machine_description("shared 2-core, several helpers; benchmarks under flock"),
+    shared = "one job at a time" if out_root else "shared 2-core, several helpers; benchmarks under flock"
+    if gpu:
+        import torch
+
+        shared += f"; {torch.cuda.get_device_name(0)}"
+    write_record("bigpd_router", name, " && ".join(commands[k] for k in sorted(commands)), parts,
+                 root=Path(out_root) if out_root else None, machine=machine_description(shared),
                  commands=commands, setup=setups, per_round={**(old.get("per_round") or {}), backend: rows},
                  notes="added = router minus direct, per round (interleaved, same prompts), median and spread over "
                        "rounds; metrics per backend: fake (paced tokens, isolates the router) and sglang (real "

@@ -40,10 +40,11 @@ PYEOF
 "$PY" -m pip install -q --no-deps --no-compile --no-index --find-links "$PACK/wheels" "${PLAT[@]}" \
   --target "$PACK/site" -r "$PACK/need.txt"
 
-# 3. trim SGLang of what serving never imports (diffusion, benchmarks, the Rust server/bench/gRPC
+# 3. trim SGLang of what serving never imports (diffusion, the Rust server/bench/gRPC
 #    and multimodal extensions)
 S="$PACK/site/sglang"
-rm -rf "$S/multimodal_gen" "$S/benchmark" "$PACK/site/bin"
+# (sglang/benchmark stays: sglang.bench_serving lives there, 1.1 MB)
+rm -rf "$S/multimodal_gen" "$PACK/site/bin"
 find "$S" -maxdepth 3 -name "_server*.so" -o -maxdepth 3 -name "_bench*.so" -o -maxdepth 3 -name "_grpc*.so" \
   -o -maxdepth 3 -name "_multimodal*.so" | xargs -r rm -f
 find "$PACK/site" -name "__pycache__" -type d -prune -exec rm -rf {} +
@@ -56,9 +57,10 @@ ls -la "$PACK/site.tar.xz"
 GGUF=$("$PY" -c "from kllm_plugins.models.smollm2 import gguf_path; print(gguf_path())" 2>/dev/null || true)
 if [ -n "$GGUF" ]; then
   rm -rf "$PACK/smollm2"; mkdir -p "$PACK/smollm2"/p0 "$PACK/smollm2"/p1 "$PACK/smollm2"/p2
-  head -c $((24 << 20)) "$GGUF" > "$PACK/smollm2/p0/part00"
-  tail -c +$(((24 << 20) + 1)) "$GGUF" | head -c $((56 << 20)) > "$PACK/smollm2/p1/part01"
-  tail -c +$(((80 << 20) + 1)) "$GGUF" > "$PACK/smollm2/p2/part02"
+  # dd, not tail | head: head leaving early kills tail with SIGPIPE, which pipefail makes fatal
+  dd if="$GGUF" of="$PACK/smollm2/p0/part00" bs=1M count=24 status=none
+  dd if="$GGUF" of="$PACK/smollm2/p1/part01" bs=1M skip=24 count=56 status=none
+  dd if="$GGUF" of="$PACK/smollm2/p2/part02" bs=1M skip=80 status=none
   for d in p0 p1 p2; do sha256sum "$GGUF" | cut -d' ' -f1 > "$PACK/smollm2/$d/sha256"; printf 'part00\npart01\npart02\n' > "$PACK/smollm2/$d/parts"; done
   ls -la "$PACK/smollm2"/*
 fi

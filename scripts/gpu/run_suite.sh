@@ -11,6 +11,9 @@
 #          router = router_overhead, affinity = router_affinity); extra arguments in $INCR_ARGS,
 #          $ROUTER_ARGS, $FAIR_ARGS, $AFF_ARGS; each benchmark step stopped after $KLLM_STEP_TIMEOUT_<SUITE>_S
 #          (e.g. KLLM_STEP_TIMEOUT_ROUTER_S) or else $KLLM_STEP_TIMEOUT_S (default 600)
+#   router_bs  benchmarks/bigpd_router/bench_overhead.py --bench-serving: sglang.bench_serving direct vs
+#          through kllm-router, the fake backend and the tiny model on the GPU (--bs-gpu); arguments of both
+#          in $ROUTER_BS_ARGS; summary gpu_overhead_bench_serving.json
 #   kv_tiers  benchmarks/gpu/kv_tiers_gpu.py (bench_tiers.py on the GPU; its arguments in $KV_ARGS;
 #          summary under $OUT/benchmarks/results/kv_tiers/)
 #   time_to_serve  benchmarks/gpu/time_to_serve_gpu.py (bench_time_to_serve.py on the GPU; its arguments
@@ -72,6 +75,15 @@ for suite in "$@"; do
       script=$suite; [ "$suite" = router ] && script=router_overhead; [ "$suite" = affinity ] && script=router_affinity
       timeout --kill-after=20 "$(step_limit $suite)" $PY "benchmarks/gpu/${script}_gpu.py" --out "$OUT/$suite.json" \
         $extra > "$OUT/$suite.log" 2>&1; r=$?
+      device_cleanup ;;
+    router_bs)
+      tiny=$($PY -c "from kllm_plugins.models.tiny_llama import tiny_llama_path; print(tiny_llama_path())")
+      lim=$(step_limit $suite)
+      { timeout --kill-after=20 "$lim" $PY benchmarks/bigpd_router/bench_overhead.py --bench-serving "$tiny" \
+          --bs-backend fake --bs-out-root "$OUT" --bs-max-s $((lim / 3)) ${ROUTER_BS_ARGS:-}
+        timeout --kill-after=20 "$lim" $PY benchmarks/bigpd_router/bench_overhead.py --bench-serving "$tiny" \
+          --bs-backend sglang --bs-gpu --bs-out-root "$OUT" --bs-max-s $((lim / 2)) ${ROUTER_BS_ARGS:-}; } \
+        > "$OUT/router_bs.log" 2>&1; r=$?
       device_cleanup ;;
     kv_tiers)
       timeout --kill-after=20 "$(step_limit $suite)" $PY benchmarks/gpu/kv_tiers_gpu.py --out-root "$OUT" -- \
