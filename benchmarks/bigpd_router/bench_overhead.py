@@ -99,6 +99,9 @@ def main() -> None:
     ap.add_argument("--bs-out-root", default="",
                     help="record under <this>/benchmarks/results (default: the repository; the device suite "
                          "passes its output folder)")
+    ap.add_argument("--bs-from-log", default="", metavar="LOG",
+                    help="record the rounds that a run cut by its time limit printed to LOG (with the same "
+                         "--bs-* options as that run) instead of measuring")
     args = ap.parse_args()
     if args.bs_gpu and (args.bs_backend != "sglang" or args.bs_pin):
         ap.error("--bs-gpu needs --bs-backend sglang and no --bs-pin")
@@ -109,7 +112,7 @@ def main() -> None:
                                       args.bs_input_len, args.bs_output_len, args.bs_concurrency,
                                       args.bs_fake_ttft_s, args.bs_fake_tpot_s, not args.no_record,
                                       args.bs_baseline_tree, args.bs_max_s, parse_pin(args.bs_pin),
-                                      args.bs_gpu, args.bs_out_root)
+                                      args.bs_gpu, args.bs_out_root, args.bs_from_log)
     load_before = os.getloadavg()
     tmp = tempfile.mkdtemp(prefix="kllm-bench-")
     procs = []
@@ -240,6 +243,25 @@ def _datasets_for_bench_serving() -> None:
         sys.modules["datasets"].load_dataset = load_dataset  # type: ignore[attr-defined]
 
 
+def rows_from_log(path: str) -> tuple[list[dict[str, Any]], int]:
+    """The per-round rows a run printed after the last finished run's summary line in the same log,
+    and the number of rounds complete for every target (a cut round is dropped)."""
+    rows: list[dict[str, Any]] = []
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            if line.startswith("sglang.bench_serving via kllm-router"):
+                rows = []
+            elif line.startswith('{"round"'):
+                rows.append(json.loads(line))
+    targets = {r["target"] for r in rows}
+    rounds = 0
+    while all(any(r["round"] == rounds and r["target"] == t for r in rows) for t in targets) and targets:
+        rounds += 1
+    if rounds < 2 or "direct" not in targets:
+        raise SystemExit(f"{path}: fewer than two complete rounds after the last summary line")
+    return [r for r in rows if r["round"] < rounds], rounds
+
+
 def parse_pin(spec: str) -> tuple[str, str] | None:
     """"1:0" -> ("1", "0"): the server's CPU list and the router's (taskset -c syntax); None if absent
     or malformed."""
@@ -288,7 +310,8 @@ BS_KEYS = ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "median_tpot_ms", "
 def bench_serving_overhead(model_path: str, backend: str, rounds: int, num_prompts: int, input_len: int,
                            output_len: int, concurrency: int, ttft_s: float, tpot_s: float, record: bool,
                            baseline_tree: str | None = None, max_s: float = 0.0,
-                           pin: tuple[str, str] | None = None, gpu: bool = False, out_root: str = "") -> None:
+                           pin: tuple[str, str] | None = None, gpu: bool = False, out_root: str = "",
+                           from_log: str = "") -> None:
     """`sglang.bench_serving` directly against one backend and through kllm-router to it, interleaved
     (direct, router; then router, direct; ...), the same prompts (seed) for both in a round. The
     backend is the fake one (`fake`: paced tokens, no model, so only the router's cost differs) or a
@@ -300,94 +323,99 @@ def bench_serving_overhead(model_path: str, backend: str, rounds: int, num_promp
     `max_s` > 0: no new round starts after that many seconds (at least two rounds run). `pin`: the
     server's and the router's CPU lists (the client runs on the router's). `gpu`: the server runs on
     the GPU through the kllm_cuda platform, and the summary goes to its own file (the fake backend's
-    rows are kept apart too when `out_root` is given: a device run records only what it measured)."""
+    rows are kept apart too when `out_root` is given: a device run records only what it measured).
+    `from_log`: record the rounds a cut run printed to its log instead of measuring (router CPU unknown)."""
     from kllm_plugins.bench.record import machine_description, record as write_record
     from kllm_plugins.bench.stats import ratio_of_medians, spread
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     _datasets_for_bench_serving()
-    tmp = tempfile.mkdtemp(prefix="kllm-bs-")
     load_before = os.getloadavg()
-    server = None
-    procs = []
-    if backend == "fake":
-        bport = free_port()
-        # it reports the model folder, so the router learns the vocabulary and checks token ids as in production
-        procs.append(spawn([py(), "-m", FAKE, "--port", str(bport), "--ttft-s", str(ttft_s), "--tpot-s", str(tpot_s),
-                            "--model-info-path", model_path], f"{tmp}/fake.log"))
-        base = f"http://127.0.0.1:{bport}"
-        wait_http(base + "/health")
-        backend_pid = procs[0].pid
+    if from_log:  # a run the step limit cut after its last round: its rows, as printed
+        rows, rounds = rows_from_log(from_log)
+        routers, cpu_router = ["kllm"], {"kllm": float("nan")}
     else:
-        from kllm_plugins.testing.sglang_server import SGLangServer
+        tmp = tempfile.mkdtemp(prefix="kllm-bs-")
+        server = None
+        procs = []
+        if backend == "fake":
+            bport = free_port()
+            # it reports the model folder, so the router learns the vocabulary and checks token ids as in production
+            procs.append(spawn([py(), "-m", FAKE, "--port", str(bport), "--ttft-s", str(ttft_s), "--tpot-s", str(tpot_s),
+                                "--model-info-path", model_path], f"{tmp}/fake.log"))
+            base = f"http://127.0.0.1:{bport}"
+            wait_http(base + "/health")
+            backend_pid = procs[0].pid
+        else:
+            from kllm_plugins.testing.sglang_server import SGLangServer
 
-        env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"} if pin else None
-        extra: list[str] = []
-        if gpu:
-            env = {"SGLANG_PLATFORM": "kllm_cuda", "KLLM_CUDA_GRAPHS": "1"}
-            extra = ["--sampling-backend", "pytorch", "--attention-backend", "triton", "--mem-fraction-static", "0.3"]
-        server = SGLangServer(model_path, max_total_tokens=8192, startup_timeout_s=480.0, env=env,
-                              extra_args=extra, cpu_platform=not gpu)
-        if pin:  # every process and thread of the server inherits the mask
-            server.args[:0] = ["taskset", "-c", pin[0]]
-            os.sched_setaffinity(0, cpu_list(pin[1]))  # this client, before it starts any thread
-        server.start()
-        base = server.base_url
-        assert server.proc is not None
-        backend_pid = server.proc.pid
-    targets = [("direct", base, 0)]
-    for name, tree in [("kllm", None)] + ([("baseline", baseline_tree)] if baseline_tree else []):
-        rport = free_port()
-        cmd = router_cmd("kllm", rport, [base])
-        assert cmd is not None
-        if pin:
-            cmd = ["taskset", "-c", pin[1], *cmd]
-        if tree:  # the same command line on another checkout's plugins folder
-            boot = ("import sys, kllm_plugins.plugins as p; p.__path__[:] = [sys.argv.pop(1) + '/plugins']; "
-                    "from kllm_plugins.plugins.bigpd_router.service.cli import main; main()")
-            at = cmd.index(py())
-            cmd = [*cmd[:at], py(), "-c", boot, tree, *cmd[at + 3:]]
-        proc = spawn(cmd, f"{tmp}/router-{name}.log")
-        procs.append(proc)
-        targets.append((name, f"http://127.0.0.1:{rport}", proc.pid))
-    routers = [t[0] for t in targets[1:]]
-    rows: list[dict[str, Any]] = []
-    cpu_router = {name: 0.0 for name in routers}
-    try:
-        for _, url, pid in targets[1:]:
-            wait_http(url + "/health", 60)
-        # warm-up: connections, tokenizer, the server's first batches
-        for _, url, _ in targets:
-            _bench_serving_once(url, model_path, max(4, concurrency), input_len, output_len, concurrency, 999,
-                                f"{tmp}/warm.jsonl")
-        t_start = time.monotonic()
-        for rnd in range(rounds):
-            if max_s and rnd >= 2 and time.monotonic() - t_start > max_s:
-                print(f"time budget {max_s:.0f} s spent: {rnd} rounds of {rounds}", flush=True)
-                rounds = rnd
-                break
-            # the order rotates, so each target takes each position equally often over the rounds;
-            # the backend's prefix cache is emptied before each target, or whichever runs second in a
-            # round would find the same prompts cached
-            k = rnd % len(targets)
-            for name, url, pid in targets[k:] + targets[:k]:
-                flush_cache(targets[0][1])
-                c0 = cpu_seconds(pid) if pid else 0.0
-                res = _bench_serving_once(url, model_path, num_prompts, input_len, output_len, concurrency, rnd,
-                                          f"{tmp}/{name}-{rnd}.jsonl")
-                if pid:
-                    cpu_router[name] += cpu_seconds(pid) - c0
-                row = {"round": rnd, "target": name, "completed": res["completed"],
-                       "output_tokens": res["total_output_tokens"]}
-                row.update({k: round(float(res[k]), 3) for k in BS_KEYS})
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-    finally:
-        for p in procs:
-            stop(p)
-        if server is not None:
-            server.stop()
+            env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"} if pin else None
+            extra: list[str] = []
+            if gpu:
+                env = {"SGLANG_PLATFORM": "kllm_cuda", "KLLM_CUDA_GRAPHS": "1"}
+                extra = ["--sampling-backend", "pytorch", "--attention-backend", "triton", "--mem-fraction-static", "0.3"]
+            server = SGLangServer(model_path, max_total_tokens=8192, startup_timeout_s=480.0, env=env,
+                                  extra_args=extra, cpu_platform=not gpu)
+            if pin:  # every process and thread of the server inherits the mask
+                server.args[:0] = ["taskset", "-c", pin[0]]
+                os.sched_setaffinity(0, cpu_list(pin[1]))  # this client, before it starts any thread
+            server.start()
+            base = server.base_url
+            assert server.proc is not None
+            backend_pid = server.proc.pid
+        targets = [("direct", base, 0)]
+        for name, tree in [("kllm", None)] + ([("baseline", baseline_tree)] if baseline_tree else []):
+            rport = free_port()
+            cmd = router_cmd("kllm", rport, [base])
+            assert cmd is not None
+            if pin:
+                cmd = ["taskset", "-c", pin[1], *cmd]
+            if tree:  # the same command line on another checkout's plugins folder
+                boot = ("import sys, kllm_plugins.plugins as p; p.__path__[:] = [sys.argv.pop(1) + '/plugins']; "
+                        "from kllm_plugins.plugins.bigpd_router.service.cli import main; main()")
+                at = cmd.index(py())
+                cmd = [*cmd[:at], py(), "-c", boot, tree, *cmd[at + 3:]]
+            proc = spawn(cmd, f"{tmp}/router-{name}.log")
+            procs.append(proc)
+            targets.append((name, f"http://127.0.0.1:{rport}", proc.pid))
+        routers = [t[0] for t in targets[1:]]
+        rows: list[dict[str, Any]] = []
+        cpu_router = {name: 0.0 for name in routers}
+        try:
+            for _, url, pid in targets[1:]:
+                wait_http(url + "/health", 60)
+            # warm-up: connections, tokenizer, the server's first batches
+            for _, url, _ in targets:
+                _bench_serving_once(url, model_path, max(4, concurrency), input_len, output_len, concurrency, 999,
+                                    f"{tmp}/warm.jsonl")
+            t_start = time.monotonic()
+            for rnd in range(rounds):
+                if max_s and rnd >= 2 and time.monotonic() - t_start > max_s:
+                    print(f"time budget {max_s:.0f} s spent: {rnd} rounds of {rounds}", flush=True)
+                    rounds = rnd
+                    break
+                # the order rotates, so each target takes each position equally often over the rounds;
+                # the backend's prefix cache is emptied before each target, or whichever runs second in a
+                # round would find the same prompts cached
+                k = rnd % len(targets)
+                for name, url, pid in targets[k:] + targets[:k]:
+                    flush_cache(targets[0][1])
+                    c0 = cpu_seconds(pid) if pid else 0.0
+                    res = _bench_serving_once(url, model_path, num_prompts, input_len, output_len, concurrency, rnd,
+                                              f"{tmp}/{name}-{rnd}.jsonl")
+                    if pid:
+                        cpu_router[name] += cpu_seconds(pid) - c0
+                    row = {"round": rnd, "target": name, "completed": res["completed"],
+                           "output_tokens": res["total_output_tokens"]}
+                    row.update({k: round(float(res[k]), 3) for k in BS_KEYS})
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+        finally:
+            for p in procs:
+                stop(p)
+            if server is not None:
+                server.stop()
     by = {(r["round"], r["target"]): r for r in rows}
 
     def figures(router: str) -> dict[str, Any]:
@@ -413,7 +441,8 @@ def bench_serving_overhead(model_path: str, backend: str, rounds: int, num_promp
             "ratio_median_ttft": ratio("median_ttft_ms"),
             "ratio_median_tpot": ratio("median_tpot_ms"),
             "ratio_median_e2e": ratio("median_e2e_latency_ms"),
-            "router_cpu_us_per_token": round(cpu_router[router] * 1e6 / max(1, relayed), 1),
+            "router_cpu_us_per_token": (None if cpu_router[router] != cpu_router[router]  # nan: not measured
+                                        else round(cpu_router[router] * 1e6 / max(1, relayed), 1)),
             "failed": sum(num_prompts - r["completed"] for r, _ in pairs),
         }
 
@@ -454,9 +483,9 @@ def bench_serving_overhead(model_path: str, backend: str, rounds: int, num_promp
           f"{load_before[0]:.2f} -> {load_after[0]:.2f}")
     if not record:
         return
-    from kllm_plugins.bench.record import load_summary, result_path
-
     from pathlib import Path
+
+    from kllm_plugins.bench.record import git_commit, load_summary, result_path
 
     name = "gpu_overhead_bench_serving" if gpu or out_root else "overhead"
     path = result_path("bigpd_router", name, Path(out_root) if out_root else None)
@@ -466,19 +495,31 @@ def bench_serving_overhead(model_path: str, backend: str, rounds: int, num_promp
     setups = {k: v for k, v in (old.get("setup") or {}).items() if k != backend}
     setups[backend] = dict(setup, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
                            load_average_before_after=[round(load_before[0], 2), round(load_after[0], 2)])
+    if from_log:  # the rows are the device run's: its commit ($KLLM_COMMIT) and machine, not this checkout's
+        setups[backend].update(recorded_from_log=os.path.basename(from_log), load_average_before_after=None,
+                               date=old.get("date"))
     commands = {k: v for k, v in (old.get("commands") or {}).items() if k != backend}
     commands[backend] = " ".join(["python", *sys.argv])
     shared = "one job at a time" if out_root else "shared 2-core, several helpers; benchmarks under flock"
-    if gpu:
+    if from_log:
+        import re
+
+        gpu_name = re.search(r"kllm_cuda platform \(pid \d+\): ([^,]+),", open(from_log, encoding="utf-8").read())
+        machine = (old.get("machine") or "the device run's machine") + (f"; {gpu_name.group(1)}" if gpu_name else "")
+    elif gpu:
         import torch
 
-        shared += f"; {torch.cuda.get_device_name(0)}"
+        machine = machine_description(f"{shared}; {torch.cuda.get_device_name(0)}")
+    else:
+        machine = machine_description(shared)
     write_record("bigpd_router", name, " && ".join(commands[k] for k in sorted(commands)), parts,
-                 root=Path(out_root) if out_root else None, machine=machine_description(shared),
+                 root=Path(out_root) if out_root else None, machine=machine,
+                 commit=(os.environ.get("KLLM_COMMIT") if from_log else None) or git_commit(),
                  commands=commands, setup=setups, per_round={**(old.get("per_round") or {}), backend: rows},
                  notes="added = router minus direct, per round (interleaved, same prompts), median and spread over "
-                       "rounds; metrics per backend: fake (paced tokens, isolates the router) and sglang (real "
-                       "server, tiny model, kllm_cpu platform)")
+                       "rounds; metrics per backend: fake (paced tokens, isolates the router), sglang (real "
+                       "server, tiny model, kllm_cpu platform), sglang-pinned (server and router on separate "
+                       "cores), sglang-gpu (tiny model served on the GPU, kllm_cuda, CUDA graphs)")
 
 
 if __name__ == "__main__":

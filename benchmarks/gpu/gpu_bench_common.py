@@ -78,7 +78,7 @@ class Setup:
         import torch
 
         return {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "python": platform.python_version(),
-                "shared": False, "note": "lent H200 machine, one job at a time; sglang 0.5.23 on kllm_cuda "
+                "shared": False, "note": "lent GPU machine, one job at a time; sglang 0.5.23 on kllm_cuda "
                 "(Triton attention, PyTorch sampling, no sgl-kernel/FlashInfer)"}
 
     def model_name(self) -> str:
