@@ -23,13 +23,13 @@ def test_rows_mark_missed_targets_and_name_the_best_stock_policy(
     targets = {k: {"value": 1.1, "target": 1.0, "met": k != "p99 <= fcfs"} for k, _ in st.COLUMNS}
     cell = {"seed_mean": means, "targets": targets, "outputs_identical_to_fcfs": {"fair_sched": 1.0, "lpm": 0.99}}
     (tmp_path / "server_x_128.json").write_text(json.dumps(
-        {"trace": "x", "chunk": 128, "seeds": 3, "date": "2026-12-05T00:56:47Z",
+        {"trace": "x", "chunk": 128, "seeds": 3, "date": "2026-12-05T00:56:47Z", "requests_per_run": 120,
          "metrics": {"cells": {"0.85": cell, "0.6": cell}}}))
     lines = st.table(tmp_path).splitlines()
     assert [ln.split(" | ")[2] for ln in lines[2:]] == ["0.6", "0.85"]  # loads in order
     row = lines[2].split(" | ")
-    assert row[4] == "2026-12-05"  # the day it was recorded (a trace may have several runs)
-    assert row[5] == "shortest-prefill-first" and row[8] == "1.10 *" and row[6] == "1.10"
+    assert row[3] == "120" and row[5] == "2026-12-05"  # requests a run, the day it was recorded
+    assert row[6] == "shortest-prefill-first" and row[9] == "1.10 *" and row[7] == "1.10"
     assert row[-1] == "NO |"  # one policy's outputs differ from fcfs
     with pytest.raises(SystemExit, match="no <!-- generated:server-grid -->"):
         st.render("no markers here", tmp_path)
