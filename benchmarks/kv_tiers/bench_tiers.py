@@ -231,7 +231,8 @@ def build_traces(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
 def kept_stats(servers: list[SGLangServer]) -> list[dict[str, Any]]:
     keep = ("pages_admitted", "pages_skipped", "prefetch_admitted", "prefetch_refused", "prefetch_explored",
             "l2_explored", "l2_loaded_tokens",
-            "path_s", "path_calls", "write_mode", "prefetch_wait", "l2_backup_tokens", "prefetch_probe_miss",
+            "path_s", "path_calls", "write_mode", "prefetch_wait", "l2_backup_tokens", "l2_backup_device_tokens",
+            "prefetch_probe_miss",
             "held_written", "held", "admission_holds", "prefetch_deferred", "prefetch_reissued")
     fkeys = ("l3_bandwidth_bytes_per_s", "l3_latency_s", "l3_samples", "prefill_samples", "l2_min_fetch_tokens",
              "l3_prefetch_overhead_busy_s", "l3_prefetch_waits", "l3_prefetch_waits_busy", "l3_min_fetch_tokens_busy")

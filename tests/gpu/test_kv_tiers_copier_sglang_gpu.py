@@ -66,3 +66,24 @@ def test_hooked_transfer_is_exact_on_cuda_with_sglang_buffers(pinned: bool) -> N
         for part, bufs in ((0, pool.device_k_buffers), (1, pool.device_v_buffers)):
             got = torch.stack([b[ti].view(n, ps, heads, dim) for b in bufs], dim=1).cpu()
             assert torch.equal(got, pool.kv_buffer[part][hp])
+
+
+def test_backup_is_timed_on_the_device(monkeypatch) -> None:
+    """The hook's L1->L2 backup, issued on a side stream without waiting (as HiCache does), is timed by
+    CUDA events: once the stream is done, one (seconds, tokens) pair is ready, at a bandwidth a
+    PCIe copy can have (the wall time of the call would time only the issuing)."""
+    monkeypatch.setattr(sc, "_enabled", lambda: (True, 256))
+    layers, dev_pages, host_pages, ps, heads, dim, n = 8, 3000, 4000, 16, 8, 128, 2500
+    pool = MHATokenToKVPoolHost(layers, dev_pages, host_pages, ps, heads, dim, pinned=True)
+    hi = _tokens(torch.arange(n), ps)
+    di = _tokens(torch.randperm(dev_pages)[:n], ps).cuda()
+    sc._copiers.clear()
+    sc._backup_timings.ready()  # nothing left from another test
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        assert sc.around_backup_from_device_all_layer(lambda *a, **k: "sglang", pool, None, hi, di, "direct") is None
+    side.synchronize()
+    got = sc._backup_timings.ready()
+    assert len(got) == 1 and got[0][1] == hi.numel(), got
+    gbps = 2 * layers * n * ps * heads * dim * 2 / got[0][0] / 1e9
+    assert 1.0 < gbps < 200.0, gbps

@@ -89,8 +89,11 @@ class TierState:
                                        "pages_skipped": 0, "pages_admitted": 0}
         # wall seconds and calls spent in this plugin's L3 path (lookups, reads, writes incl. offer
         # markers): what a workload pays for the tiers beyond HiCache itself
-        self.path_s: dict[str, float] = {"lookup": 0.0, "read": 0.0, "write": 0.0, "l2_backup": 0.0, "probe": 0.0}
-        self.path_calls: dict[str, int] = {"lookup": 0, "read": 0, "write": 0, "l2_backup": 0, "probe": 0}
+        # (l2_backup_device: the device time of the L1->L2 copies on a GPU, from CUDA events)
+        self.path_s: dict[str, float] = {"lookup": 0.0, "read": 0.0, "write": 0.0, "l2_backup": 0.0,
+                                         "l2_backup_device": 0.0, "probe": 0.0}
+        self.path_calls: dict[str, int] = {"lookup": 0, "read": 0, "write": 0, "l2_backup": 0,
+                                           "l2_backup_device": 0, "probe": 0}
         # L3 prefetches in flight: request handle -> start time, and the time the scheduler first
         # wanted to run the request but had to wait for its prefetch (HiCache's default "timeout"
         # stop policy): from then to done is what an L3 fetch delays the request (time spent

@@ -22,12 +22,14 @@ from typing import Any, Callable
 
 import torch
 
+from kllm_plugins.plugins.kv_tiers.core.device_timings import PendingTimings
 from kllm_plugins.plugins.kv_tiers.core.staged_copy import LayerListCopier, page_ids
 
 logger = logging.getLogger("kllm.kv_tiers")
 
 _lock = threading.Lock()
 _copiers: dict[int, LayerListCopier] = {}
+_backup_timings = PendingTimings()  # L1->L2 backups in flight on a GPU, timed by CUDA events
 _announced: set[int] = set()
 
 
@@ -93,25 +95,41 @@ def around_backup_from_device_all_layer(original: Callable[..., Any], self: Any,
                                         host_indices: torch.Tensor, device_indices: torch.Tensor, io_backend: str,
                                         *args: Any, **kwargs: Any) -> Any:
     on, chunk = _enabled()
-    if not on or args or kwargs or not eligible(self, io_backend):
-        t0 = time.perf_counter()
-        result = original(self, device_pool, host_indices, device_indices, io_backend, *args, **kwargs)
-        _note_backup(host_indices, time.perf_counter() - t0)
-        return result
+    timed = bool(getattr(device_indices, "is_cuda", False))
+    start = _cuda_event() if timed else None
     t0 = time.perf_counter()
-    backup(self, host_indices, device_indices, chunk)
-    _note_backup(host_indices, time.perf_counter() - t0)
-    return None
+    if not on or args or kwargs or not eligible(self, io_backend):
+        result = original(self, device_pool, host_indices, device_indices, io_backend, *args, **kwargs)
+    else:
+        result = backup(self, host_indices, device_indices, chunk)
+    _note_backup(host_indices, time.perf_counter() - t0, start)
+    return result
 
 
-def _note_backup(host_indices: Any, seconds: float) -> None:
-    """L1->L2 write-through volume and time (on the scheduler thread): part of the per-request profile."""
+def _cuda_event() -> Any:
+    """A timing event recorded now on the current stream (the one the backup's copies finish on)."""
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record()
+    return ev
+
+
+def _note_backup(host_indices: Any, seconds: float, start: Any = None) -> None:
+    """L1->L2 write-through volume and time (on the scheduler thread): part of the per-request profile.
+    `l2_backup` is the wall time of the call, which issues the copies without waiting for them; on a
+    GPU, `l2_backup_device` is the device time from the call's start to its copies' end, read from
+    CUDA events once they have completed (at a later call: nothing waits for the device)."""
     from kllm_plugins.plugins.kv_tiers.sglang_adapter import state
 
+    tokens = int(host_indices.numel())
+    if start is not None:
+        _backup_timings.add(start, _cuda_event(), tokens)
     t = state.current()
     if t is not None:
-        t.count("l2_backup_tokens", int(host_indices.numel()))
+        t.count("l2_backup_tokens", tokens)
         t.spent("l2_backup", seconds)
+        for device_s, n in _backup_timings.ready():
+            t.count("l2_backup_device_tokens", n)
+            t.spent("l2_backup_device", device_s)
 
 
 def around_load_to_device_per_layer(original: Callable[..., Any], self: Any, device_pool: Any,
