@@ -42,8 +42,11 @@ def _build(folder: Path) -> None:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
+    # no progress bars: the Rust trainer writes them to stdout, where `$(kllm-plugins build-model tiny)`
+    # and scripts expect the path alone
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=VOCAB, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator(corpus_lines(), trainer=trainer)
     fast = PreTrainedTokenizerFast(

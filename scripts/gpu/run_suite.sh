@@ -79,7 +79,7 @@ for suite in "$@"; do
         $extra > "$OUT/$suite.log" 2>&1; r=$?
       device_cleanup ;;
     router_bs)
-      tiny=$($PY -c "from kllm_plugins.models.tiny_llama import tiny_llama_path; print(tiny_llama_path())" | tail -1)  # its build logs on stdout too
+      tiny=$($PY -m kllm_plugins.cli build-model tiny)
       lim=$(step_limit $suite)
       { timeout --kill-after=20 "$lim" $PY benchmarks/bigpd_router/bench_overhead.py --bench-serving "$tiny" \
           --bs-backend fake --bs-out-root "$OUT" --bs-max-s $((lim / 3)) ${ROUTER_BS_ARGS:-}
