@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kllm_plugins.bench.doc_block import replace_generated
+from kllm_plugins.plugin_docs import replace_generated
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results" / "fair_sched"

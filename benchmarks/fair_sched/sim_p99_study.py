@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import re
 import statistics
 import sys
 import time
@@ -34,7 +33,7 @@ import grid  # noqa: E402
 import sim_engine as se  # noqa: E402
 import traces as tr  # noqa: E402
 
-from kllm_plugins.bench.doc_block import replace_generated  # noqa: E402
+from kllm_plugins.plugin_docs import generated_block, replace_generated  # noqa: E402
 from kllm_plugins.bench.record import load_summary, record, result_path, round_floats  # noqa: E402
 from kllm_plugins.bench.stats import quantile  # noqa: E402
 
@@ -47,7 +46,6 @@ SIZES = (120, 400)
 CHUNK = 128
 LONG = 8 * CHUNK  # "long" prompt: over 8 chunks (as grid.py)
 DOC = Path(__file__).resolve().parents[2] / "docs" / "fair_sched.md"
-MARKERS = re.compile(r"(<!-- generated:sim-p99 -->\n)(.*?)(<!-- /generated:sim-p99 -->)", re.S)
 
 
 def subset_ratios(ours: list[float], base: list[float], k: int = 3) -> list[float]:
@@ -214,7 +212,7 @@ def main() -> None:
                age_weights=list(WEIGHTS), long_prompt_over_tokens=LONG, wall_s=round(time.time() - t0, 1))
         print(f"wrote {path}")
     text = DOC.read_text(encoding="utf-8")
-    if MARKERS.search(text):
+    if generated_block("sim-p99").search(text):
         new = render(text, load_summary(path))
         if new != text:
             DOC.write_text(new, encoding="utf-8")
