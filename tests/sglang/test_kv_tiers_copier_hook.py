@@ -122,3 +122,48 @@ def test_taken_hooks_move_what_sglang_direct_transfer_moves(monkeypatch) -> None
     # draft calls and other backends go to SGLang
     assert sc.around_load_to_device_per_layer(orig, pool, None, hi, target, 0, "direct", is_draft=True) == "sglang"
     assert sc.around_backup_from_device_all_layer(orig, pool, None, hi, di, "kernel") == "sglang"
+
+
+def test_backups_on_a_gpu_are_timed_by_events_read_at_a_later_call(monkeypatch) -> None:
+    """The adapter's bookkeeping of device timings (CUDA events stood in for on the CPU): a backup
+    whose device indices are on a GPU records a start and an end event; the pair is read at the next
+    backup once complete, into the tier state's device time and tokens. Without a tier state
+    nothing is recorded."""
+    from kllm_plugins.plugins.kv_tiers.config import KvTiersConfig
+    from kllm_plugins.plugins.kv_tiers.core.tier_state import TierState
+    from kllm_plugins.plugins.kv_tiers.sglang_adapter import state
+
+    class Ev:
+        clock_ms = 0.0
+
+        def __init__(self) -> None:
+            Ev.clock_ms += 2.5
+            self.t_ms = Ev.clock_ms
+
+        def query(self) -> bool:  # complete once a later event exists (the device ran on)
+            return self is not made[-1]
+
+        def elapsed_time(self, end: "Ev") -> float:
+            return end.t_ms - self.t_ms
+
+    class OnGpu:  # device indices as far as the hook reads them
+        is_cuda = True
+
+    made: list[Ev] = []
+    monkeypatch.setattr(sc, "_cuda_event", lambda: made.append(Ev()) or made[-1])
+    monkeypatch.setattr(sc, "_enabled", lambda: (False, 2))
+    sc._backup_timings.ready()
+    orig, hi = _Original(), _tokens([1, 2])
+    monkeypatch.setattr(state, "_tiers", None)
+    sc.around_backup_from_device_all_layer(orig, MHATokenToKVPoolHost(), None, hi, OnGpu(), "direct")
+    assert made == [] and len(sc._backup_timings) == 0
+    tiers = TierState(KvTiersConfig(), "cpu-test")
+    monkeypatch.setattr(state, "_tiers", tiers)
+    for _ in range(2):
+        assert sc.around_backup_from_device_all_layer(orig, MHATokenToKVPoolHost(), None, hi, OnGpu(),
+                                                      "direct") == "sglang"
+    assert len(made) == 4 and orig.calls == 3
+    # the first backup's pair was read at the second; the second's waits for the next call
+    assert tiers.counts["l2_backup_device_tokens"] == hi.numel() and tiers.path_calls["l2_backup_device"] == 1
+    assert tiers.path_s["l2_backup_device"] == pytest.approx(0.0025) and len(sc._backup_timings) == 1
+    assert tiers.counts["l2_backup_tokens"] == 2 * hi.numel()

@@ -94,15 +94,18 @@ def load(pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, ch
 def around_backup_from_device_all_layer(original: Callable[..., Any], self: Any, device_pool: Any,
                                         host_indices: torch.Tensor, device_indices: torch.Tensor, io_backend: str,
                                         *args: Any, **kwargs: Any) -> Any:
+    from kllm_plugins.plugins.kv_tiers.sglang_adapter import state
+
     on, chunk = _enabled()
-    timed = bool(getattr(device_indices, "is_cuda", False))
-    start = _cuda_event() if timed else None
+    t = state.current()  # nothing is timed before the process's tier state exists
+    start = _cuda_event() if t is not None and device_indices.is_cuda else None
     t0 = time.perf_counter()
     if not on or args or kwargs or not eligible(self, io_backend):
         result = original(self, device_pool, host_indices, device_indices, io_backend, *args, **kwargs)
     else:
         result = backup(self, host_indices, device_indices, chunk)
-    _note_backup(host_indices, time.perf_counter() - t0, start)
+    if t is not None:
+        _note_backup(t, int(host_indices.numel()), time.perf_counter() - t0, start)
     return result
 
 
@@ -113,23 +116,18 @@ def _cuda_event() -> Any:
     return ev
 
 
-def _note_backup(host_indices: Any, seconds: float, start: Any = None) -> None:
+def _note_backup(t: Any, tokens: int, seconds: float, start: Any) -> None:
     """L1->L2 write-through volume and time (on the scheduler thread): part of the per-request profile.
     `l2_backup` is the wall time of the call, which issues the copies without waiting for them; on a
-    GPU, `l2_backup_device` is the device time from the call's start to its copies' end, read from
-    CUDA events once they have completed (at a later call: nothing waits for the device)."""
-    from kllm_plugins.plugins.kv_tiers.sglang_adapter import state
-
-    tokens = int(host_indices.numel())
+    GPU (`start` given), `l2_backup_device` is the device time from the call's start to its copies'
+    end, read from CUDA events once they have completed (at a later call: nothing waits for the device)."""
     if start is not None:
         _backup_timings.add(start, _cuda_event(), tokens)
-    t = state.current()
-    if t is not None:
-        t.count("l2_backup_tokens", tokens)
-        t.spent("l2_backup", seconds)
-        for device_s, n in _backup_timings.ready():
-            t.count("l2_backup_device_tokens", n)
-            t.spent("l2_backup_device", device_s)
+    t.count("l2_backup_tokens", tokens)
+    t.spent("l2_backup", seconds)
+    for device_s, n in _backup_timings.ready():
+        t.count("l2_backup_device_tokens", n)
+        t.spent("l2_backup_device", device_s)
 
 
 def around_load_to_device_per_layer(original: Callable[..., Any], self: Any, device_pool: Any,
