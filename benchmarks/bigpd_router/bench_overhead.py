@@ -243,23 +243,29 @@ def _datasets_for_bench_serving() -> None:
         sys.modules["datasets"].load_dataset = load_dataset  # type: ignore[attr-defined]
 
 
-def rows_from_log(path: str) -> tuple[list[dict[str, Any]], int]:
+def rows_from_log(path: str) -> tuple[list[dict[str, Any]], int, str | None]:
     """The per-round rows a run printed after the last finished run's summary line in the same log,
-    and the number of rounds complete for every target (a cut round is dropped)."""
+    the number of rounds complete for every target (a cut round is dropped), and the GPU the
+    kllm_cuda platform named in the log, if any."""
+    import re
+
     rows: list[dict[str, Any]] = []
+    device = None
     with open(path, encoding="utf-8") as fh:
         for line in fh:
             if line.startswith("sglang.bench_serving via kllm-router"):
                 rows = []
             elif line.startswith('{"round"'):
                 rows.append(json.loads(line))
+            elif m := re.search(r"kllm_cuda platform \(pid \d+\): ([^,]+),", line):
+                device = m.group(1)
     targets = {r["target"] for r in rows}
     rounds = 0
     while all(any(r["round"] == rounds and r["target"] == t for r in rows) for t in targets) and targets:
         rounds += 1
     if rounds < 2 or "direct" not in targets:
         raise SystemExit(f"{path}: fewer than two complete rounds after the last summary line")
-    return [r for r in rows if r["round"] < rounds], rounds
+    return [r for r in rows if r["round"] < rounds], rounds, device
 
 
 def parse_pin(spec: str) -> tuple[str, str] | None:
@@ -333,8 +339,8 @@ def bench_serving_overhead(model_path: str, backend: str, rounds: int, num_promp
     _datasets_for_bench_serving()
     load_before = os.getloadavg()
     if from_log:  # a run the step limit cut after its last round: its rows, as printed
-        rows, rounds = rows_from_log(from_log)
-        routers, cpu_router = ["kllm"], {"kllm": float("nan")}
+        rows, rounds, log_device = rows_from_log(from_log)
+        cpu_router: dict[str, float | None] = {"kllm": None}  # not measured
     else:
         tmp = tempfile.mkdtemp(prefix="kllm-bs-")
         server = None
@@ -379,9 +385,8 @@ def bench_serving_overhead(model_path: str, backend: str, rounds: int, num_promp
             proc = spawn(cmd, f"{tmp}/router-{name}.log")
             procs.append(proc)
             targets.append((name, f"http://127.0.0.1:{rport}", proc.pid))
-        routers = [t[0] for t in targets[1:]]
         rows: list[dict[str, Any]] = []
-        cpu_router = {name: 0.0 for name in routers}
+        cpu_router = {name: 0.0 for name, _, _ in targets[1:]}
         try:
             for _, url, pid in targets[1:]:
                 wait_http(url + "/health", 60)
@@ -441,8 +446,8 @@ def bench_serving_overhead(model_path: str, backend: str, rounds: int, num_promp
             "ratio_median_ttft": ratio("median_ttft_ms"),
             "ratio_median_tpot": ratio("median_tpot_ms"),
             "ratio_median_e2e": ratio("median_e2e_latency_ms"),
-            "router_cpu_us_per_token": (None if cpu_router[router] != cpu_router[router]  # nan: not measured
-                                        else round(cpu_router[router] * 1e6 / max(1, relayed), 1)),
+            "router_cpu_us_per_token": (None if (cpu := cpu_router[router]) is None
+                                        else round(cpu * 1e6 / max(1, relayed), 1)),
             "failed": sum(num_prompts - r["completed"] for r, _ in pairs),
         }
 
@@ -502,10 +507,7 @@ def bench_serving_overhead(model_path: str, backend: str, rounds: int, num_promp
     commands[backend] = " ".join(["python", *sys.argv])
     shared = "one job at a time" if out_root else "shared 2-core, several helpers; benchmarks under flock"
     if from_log:
-        import re
-
-        gpu_name = re.search(r"kllm_cuda platform \(pid \d+\): ([^,]+),", open(from_log, encoding="utf-8").read())
-        machine = (old.get("machine") or "the device run's machine") + (f"; {gpu_name.group(1)}" if gpu_name else "")
+        machine = (old.get("machine") or "the device run's machine") + (f"; {log_device}" if log_device else "")
     elif gpu:
         import torch
 
