@@ -1,0 +1,33 @@
+"""`bench_overhead --bs-from-log`: the rounds a run cut by its time limit printed are recorded, not
+those of an earlier finished run in the same log, and not a round cut halfway."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import ModuleType
+from typing import Callable
+
+import pytest
+
+
+def _row(rnd: int, target: str) -> str:
+    return json.dumps({"round": rnd, "target": target, "completed": 4, "output_tokens": 64,
+                       "median_ttft_ms": 10.0 + rnd})
+
+
+def test_rows_after_the_last_summary_complete_rounds_only(
+        bench_module: Callable[[str, str], ModuleType], tmp_path: Path) -> None:
+    bo = bench_module("bigpd_router", "bench_overhead")
+    log = tmp_path / "router_bs.log"
+    log.write_text("\n".join([
+        _row(0, "direct"), _row(0, "kllm"),
+        "sglang.bench_serving via kllm-router vs direct, fake backend, 1 interleaved rounds: ...",
+        "[12:52:30 kllm pid=7] kllm_cuda platform (pid 7): NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, ...",
+        _row(0, "direct"), _row(0, "kllm"), _row(1, "kllm"), _row(1, "direct"), _row(2, "direct"),
+    ]) + "\n")
+    rows, rounds, device = bo.rows_from_log(str(log))
+    assert rounds == 2 and len(rows) == 4 and {r["round"] for r in rows} == {0, 1}
+    assert device == "NVIDIA H100 80GB HBM3"
+    log.write_text(_row(0, "direct") + "\n" + _row(0, "kllm") + "\n")
+    with pytest.raises(SystemExit, match="fewer than two complete rounds"):
+        bo.rows_from_log(str(log))
