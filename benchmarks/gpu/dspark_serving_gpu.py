@@ -20,13 +20,11 @@ import argparse
 import itertools
 import json
 import os
-import random
 import re
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -35,6 +33,7 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from gpu_bench_common import Setup, header, log, spread, write  # noqa: E402
+from serving_speed import ids  # noqa: E402
 
 from kllm_plugins.bench.client import stream_generate  # noqa: E402
 from kllm_plugins.bench.stats import ratio_of_medians  # noqa: E402
@@ -165,21 +164,16 @@ def failure(srv: Any, exc: BaseException) -> dict[str, Any]:
 
 def start_each(servers: dict[str, Any], info: dict[str, dict[str, Any]]) -> None:
     """Start the servers at once; a failure is recorded in `info`, never raised."""
-    def go(setup: str) -> None:
-        srv, t0 = servers[setup], time.perf_counter()
-        try:
-            srv.start()
-            info[setup].update(ok=True, start_s=round(time.perf_counter() - t0, 1))
-        except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
+    from kllm_plugins.testing.sglang_server import start_each as start_concurrently
+
+    t0 = time.perf_counter()
+    for (setup, srv), exc in zip(servers.items(), start_concurrently(list(servers.values()))):
+        if exc is None:
+            info[setup].update(ok=True, group_up_s=round(time.perf_counter() - t0, 1))  # all started together
+        else:
             info[setup].update(failure(srv, exc))
             srv.stop()
         info[setup]["log_lines"] = log_lines(srv)[:30]
-
-    threads = [threading.Thread(target=go, args=(s,)) for s in servers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
 
 
 def plugin_plans(srv: Any) -> dict[str, Any]:
@@ -192,11 +186,6 @@ def plugin_plans(srv: Any) -> dict[str, Any]:
 
 
 # -- measurement -----------------------------------------------------------------------------
-def prompts(batch: int, length: int, seed: str, vocab: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(10, vocab - 10) for _ in range(length)] for _ in range(batch)]
-
-
 def run_batch(srv: Any, batch_prompts: list[list[int]], out_tokens: int, timeout_s: float) -> dict[str, Any]:
     def one(p: list[int]) -> tuple[float, float, dict[str, Any]]:
         return stream_generate(srv.base_url, p, out_tokens, timeout_s=timeout_s, ignore_eos=True)
@@ -333,11 +322,11 @@ def serve_and_measure(a: argparse.Namespace, target: Target, draft: Path | None,
         for n, length, out in ((max(a.batches), 32, 16), (1, max(lengths.values()), 8)):
             warm: dict[str, Any] = {}
             if s in live:
-                measure(s, prompts(n, length, f"warm/{s}/{length}", target.vocab), out, warm)
+                measure(s, ids(n, length, f"warm/{s}/{length}", target.vocab), out, warm)
             if "error" in warm:
                 info[s]["warm_up_error"] = warm["error"]
     for k, (rep, ctx, batch) in enumerate(itertools.product(range(a.repeats), a.contexts, a.batches)):
-        ps = prompts(batch, lengths[ctx], f"{rep}/{ctx}/{batch}", target.vocab)  # the same for every setup
+        ps = ids(batch, lengths[ctx], f"{rep}/{ctx}/{batch}", target.vocab)  # the same for every setup
         for s in list(live if k % 2 == 0 else live[::-1]):
             row: dict[str, Any] = {"setup": s, "context": ctx, "batch": batch, "repeat": rep}
             if a.deadline_s and time.perf_counter() - t_start > a.deadline_s:

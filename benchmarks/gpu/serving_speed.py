@@ -47,7 +47,7 @@ def llama8b_folder() -> Path:
     return folder
 
 
-def ids(batch: int, length: int, seed: int, vocab: int) -> list[list[int]]:
+def ids(batch: int, length: int, seed: int | str, vocab: int) -> list[list[int]]:
     import random
 
     rng = random.Random(seed)

@@ -220,22 +220,28 @@ class SGLangServer:
         return self.post_json("/generate", body)
 
 
-def start_all(servers: Sequence[SGLangServer]) -> None:
-    """Start servers concurrently (start-up is mostly imports, which overlap well). If any fails,
-    all are stopped and the first error is raised."""
-    errors: list[BaseException] = []
+def start_each(servers: Sequence[SGLangServer]) -> list[BaseException | None]:
+    """Start servers concurrently (start-up is mostly imports, which overlap well); never raises:
+    each server's error, or None where it started (a failed one is left to the caller to stop)."""
+    errors: list[BaseException | None] = [None] * len(servers)
 
-    def start(server: SGLangServer) -> None:
+    def start(i: int) -> None:
         try:
-            server.start()
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errors.append(exc)
+            servers[i].start()
+        except BaseException as exc:  # noqa: BLE001 - returned to the caller
+            errors[i] = exc
 
-    threads = [threading.Thread(target=start, args=(s,)) for s in servers]
+    threads = [threading.Thread(target=start, args=(i,)) for i in range(len(servers))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    return errors
+
+
+def start_all(servers: Sequence[SGLangServer]) -> None:
+    """Start servers concurrently. If any fails, all are stopped and the first error is raised."""
+    errors = [e for e in start_each(servers) if e is not None]
     if errors:
         for server in servers:
             server.stop()
