@@ -40,7 +40,7 @@ def _train_api(head: str, out: Path, target_path: Path, tied: bool = False) -> P
     target, _ = load_hf_target(target_path, "cpu", torch.float32)
     g = torch.Generator().manual_seed(1)
     seqs = [(torch.randint(3, 4096, (24,), generator=g).tolist(), 6) for _ in range(8)]
-    cfg = drafter_config("dspark", target.shape, layers=1, block_size=4, target_layers=[0, 3], mask_token_id=2,
+    cfg = drafter_config("dspark", target.shape, layers=1, block_size=4, target_layers=[0, 2], mask_token_id=2,
                          markov_rank=8, markov_head_type=head)
     model = build_drafter(replace(cfg, markov_tied=tied))
     hist = train_drafter(target, model, seqs, TrainConfig(steps=2, batch_size=4, anchors_per_seq=4, log_every=1))

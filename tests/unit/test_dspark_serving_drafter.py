@@ -27,7 +27,8 @@ def test_random_drafter_for_the_tiny_target_passes_sglangs_dspark_parser(
     got = driver.parse_check(folder, target["vocab_size"], target["num_hidden_layers"])
     assert (got["gamma"], got["verify_num_draft_tokens"], got["layers"]) == (4, 5, 1)
     assert (got["markov_rank"], got["markov_head_type"]) == (16, "vanilla")
-    assert got["target_layer_ids"] == [1, 2, 3]
+    # every id SGLang can capture: layer i is read as the input of layer i + 1
+    assert got["target_layer_ids"] == [1, 2] and max(got["target_layer_ids"]) <= target["num_hidden_layers"] - 2
     assert got["mask_token_id"] == cfg["mask_token_id"] < target["vocab_size"]
     with safe_open(str(folder / "model.safetensors"), "pt") as fh:
         keys = list(fh.keys())

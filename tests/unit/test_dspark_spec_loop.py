@@ -39,11 +39,12 @@ def random_target(vocab: int, seed: int, dtype: torch.dtype = torch.float64, lay
     return LlamaTarget(shape, state, device="cpu", dtype=dtype)
 
 
-def drafter_for(target: LlamaTarget, kind: str, gamma: int, head: str = "vanilla", seed: int = 0) -> torch.nn.Module:
+def drafter_for(target: LlamaTarget, kind: str, gamma: int, head: str = "vanilla", seed: int = 0,
+                layers: tuple[int, ...] | None = None) -> torch.nn.Module:
     torch.manual_seed(seed)
     s = target.shape
     cfg = DrafterConfig(kind=kind, vocab_size=s.vocab_size, hidden_size=s.hidden_size, num_layers=1, num_heads=4,
-                        num_kv_heads=2, head_dim=8, intermediate_size=32, block_size=gamma, target_layer_ids=tuple(range(s.num_layers)),
+                        num_kv_heads=2, head_dim=8, intermediate_size=32, block_size=gamma, target_layer_ids=layers or tuple(range(s.num_layers)),
                         mask_token_id=1, markov_rank=8 if kind == "dspark" else 0, markov_head_type=head)
     model = build_drafter(cfg).to(target.dtype).eval()
     with torch.no_grad():  # a random Markov head with weight, so drafts depend on the previous token

@@ -57,6 +57,7 @@ def test_ragged_cache_rows_advance_independently(tiny) -> None:
 
 def test_default_target_layers_are_spread_and_in_range() -> None:
     assert default_target_layers(30, 3) == [1, 14, 27]
-    assert default_target_layers(4, 2) == [1, 3]
+    assert default_target_layers(4, 2) == [1, 2]
+    assert default_target_layers(4, 3) == [1, 2]  # SGLang never captures a target's last layer
     with pytest.raises(ValueError):
         default_target_layers(4, 0)

@@ -205,11 +205,12 @@ class LlamaTarget:
 
 
 def default_target_layers(num_layers: int, count: int) -> list[int]:
-    """Evenly spread layer ids from 1 to num_layers - 3 (DFlash/DeepSpec's depth range; up to the
-    last layer for models under 8 layers)."""
+    """Evenly spread layer ids from 1 to num_layers - 3 (DFlash/DeepSpec's depth range; up to
+    num_layers - 2 for models under 8 layers: SGLang captures layer id's output as the input of
+    layer id + 1, so the last layer's id is never captured there)."""
     if count <= 0:
         raise ValueError("count must be positive")
-    lo, hi = 1, (num_layers - 3 if num_layers >= 8 else max(1, num_layers - 1))
+    lo, hi = 1, (num_layers - 3 if num_layers >= 8 else max(1, num_layers - 2))
     if count == 1:
         return [(lo + hi) // 2]
     return sorted({round(lo + (hi - lo) * i / (count - 1)) for i in range(count)})

@@ -28,6 +28,10 @@ ARCHITECTURE = "DSparkDraftModel"
 def sglang_config(cfg: DrafterConfig, num_target_layers: int, dtype: str = "bfloat16") -> dict[str, Any]:
     if cfg.kind != "dspark":
         raise ValueError("only a dspark drafter has a SGLang DSPARK checkpoint format")
+    late = [i for i in cfg.target_layer_ids if not 0 <= i <= num_target_layers - 2]
+    if late:  # SGLang's Llama captures layer i's output as the input of layer i + 1
+        raise ValueError(f"target layer ids {late} cannot be captured by SGLang: ids must lie in "
+                         f"0..{num_target_layers - 2} for a {num_target_layers}-layer target")
     return {
         "architectures": [ARCHITECTURE],
         "model_type": "qwen3",
