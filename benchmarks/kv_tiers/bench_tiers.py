@@ -188,6 +188,9 @@ def summarize(name: str, tname: str, cells: dict[tuple[Any, int], dict[str, Any]
                        "ttft_p90_s": spread([cells[(x, r)]["ttft_s"]["p90"] for r in reps]),
                        "ttft_mean_s": spread([cells[(x, r)]["ttft_s"]["mean"] for r in reps])} for x in rates],
         "kv_tiers_stats": stats,
+        # L1->L2 copy bandwidth inside the servers (device-timed; GPU runs of the staged copier only)
+        "l2_backup_device_gbps": spread(bw) if (bw := [x["l2_backup_device_gbps"] for x in stats
+                                                       if x.get("l2_backup_device_gbps")]) else None,
         # per repeat, both servers' cumulative L3 path counters after this trace's last cell (the
         # no-reuse trace runs first after a start: its figures are the warm-up's plus its own)
         # the slow medium's calls / bytes / seconds charged per cell (both servers), when it is on
@@ -232,13 +235,17 @@ def kept_stats(servers: list[SGLangServer]) -> list[dict[str, Any]]:
     keep = ("pages_admitted", "pages_skipped", "prefetch_admitted", "prefetch_refused", "prefetch_explored",
             "l2_explored", "l2_loaded_tokens",
             "path_s", "path_calls", "write_mode", "prefetch_wait", "l2_backup_tokens", "l2_backup_device_tokens",
-            "prefetch_probe_miss",
-            "held_written", "held", "admission_holds", "prefetch_deferred", "prefetch_reissued")
+            "l2_backup_device_bytes", "prefetch_probe_miss",
+            "held_written", "held", "admission_holds", "prefetch_deferred", "prefetch_reissued",
+            "l2_backup_device_gbps")
     fkeys = ("l3_bandwidth_bytes_per_s", "l3_latency_s", "l3_samples", "prefill_samples", "l2_min_fetch_tokens",
              "l3_prefetch_overhead_busy_s", "l3_prefetch_waits", "l3_prefetch_waits_busy", "l3_min_fetch_tokens_busy")
     out = []
     for s in servers:
         st = kv_tiers_stats(s)
+        dev_s = (st.get("path_s") or {}).get("l2_backup_device") or 0.0
+        # the L1->L2 copy bandwidth inside the server: bytes over the copies' device time (GPU only)
+        st["l2_backup_device_gbps"] = round(st.get("l2_backup_device_bytes", 0) / dev_s / 1e9, 2) if dev_s else None
         store = st.get("store", {})
         fp = st.get("fetch_policy", {})
         out.append({k: v for k, v in st.items() if k in keep}

@@ -4,7 +4,8 @@
 # under $OUT (the device tool brings $OUT back; elsewhere it defaults to /tmp/kllm/out):
 #   smoke  the platform resolves, `kllm-plugins doctor` finds every target (SGLANG_PLATFORM=kllm_cuda)
 #   e2e    tests/gpu/test_sglang_cuda_platform_gpu.py (one server per plugin, all on the GPU at once)
-#   gpu    the other GPU tests of tests/gpu (kernels and copiers of our own, outside SGLang)
+#   gpu    the other GPU tests of tests/gpu (kernels and copiers of our own, outside SGLang); only those
+#          matching $GPU_K (pytest -k) when set
 #   speed  benchmarks/gpu/serving_speed.py (SGLang on kllm_cuda vs transformers, same GPU)
 #   smollm2  the SmolLM2-135M end-to-end test alone (its GGUF joined from parts over several calls)
 #   incr_prefix, router, fair_sched, affinity, dspark  benchmarks/gpu/<name>_gpu.py (plugin rows, stock vs
@@ -61,7 +62,7 @@ for suite in "$@"; do
       $PY scripts/gpu/summarize_junit.py "$OUT/e2e-junit.xml" e2e "$OUT/e2e.json" ;;
     gpu)
       KLLM_PROGRESS_JSONL="$OUT/gpu-junit.xml.jsonl" pytest_limited tests/gpu -v -rA -p no:cacheprovider --timeout 600 \
-        --deselect tests/gpu/test_sglang_cuda_platform_gpu.py --junitxml "$OUT/gpu-junit.xml" > "$OUT/gpu.log" 2>&1; r=$?
+        ${GPU_K:+-k "$GPU_K"} --deselect tests/gpu/test_sglang_cuda_platform_gpu.py --junitxml "$OUT/gpu-junit.xml" > "$OUT/gpu.log" 2>&1; r=$?
       $PY scripts/gpu/summarize_junit.py "$OUT/gpu-junit.xml" gpu "$OUT/gpu.json" ;;
     speed)
       timeout --kill-after=20 "$(step_limit $suite)" $PY benchmarks/gpu/serving_speed.py --out "$OUT/speed.json" \

@@ -25,6 +25,10 @@ class MHATokenToKVPoolHost:  # SGLang's plain MHA host pool as far as the hooks 
         self.device_v_buffers = tuple(torch.randn(dev_pages * ps + ps, heads, dim, device=dev).to(torch.bfloat16)
                                       for _ in range(layers))
         self.kv_buffer = torch.zeros(2, host_pages, layers, ps, heads, dim, dtype=torch.bfloat16, pin_memory=pinned)
+        self.heads = heads
+
+    def get_size_per_token(self) -> int:  # SGLang's formula: K and V of every layer
+        return (self.head_dim + self.v_head_dim) * self.heads * self.layer_num * self.kv_buffer.element_size()
 
     @property
     def k_buffer(self) -> torch.Tensor:
@@ -92,4 +96,6 @@ def test_backup_is_timed_on_the_device(monkeypatch) -> None:
         side.synchronize()
     assert tiers.counts["l2_backup_device_tokens"] == hi.numel() and tiers.path_calls["l2_backup_device"] == 1
     gbps = 2 * layers * n * ps * heads * dim * 2 / tiers.path_s["l2_backup_device"] / 1e9
+    assert tiers.counts["l2_backup_device_bytes"] == 2 * layers * n * ps * heads * dim * 2
+    print(f"L1->L2 backup timed on the device: {gbps:.1f} GB/s ({tiers.counts['l2_backup_device_bytes']} bytes)")
     assert 1.0 < gbps < 200.0, gbps

@@ -28,6 +28,9 @@ class MHATokenToKVPoolHost:  # the hooks take SGLang's plain MHA host pool only 
         self.device_v_buffers = tuple(torch.randn(dev_pages * PS + PS, HEADS, DIM, generator=g) for _ in range(LAYERS))
         self.kv_buffer = torch.zeros(2, host_pages, LAYERS, PS, HEADS, DIM)
 
+    def get_size_per_token(self) -> int:  # SGLang's formula: K and V of every layer
+        return (self.head_dim + self.v_head_dim) * HEADS * self.layer_num * self.kv_buffer.element_size()
+
     @property
     def k_buffer(self) -> torch.Tensor:
         return self.kv_buffer[0]
@@ -167,3 +170,5 @@ def test_backups_on_a_gpu_are_timed_by_events_read_at_a_later_call(monkeypatch) 
     assert tiers.counts["l2_backup_device_tokens"] == hi.numel() and tiers.path_calls["l2_backup_device"] == 1
     assert tiers.path_s["l2_backup_device"] == pytest.approx(0.0025) and len(sc._backup_timings) == 1
     assert tiers.counts["l2_backup_tokens"] == 2 * hi.numel()
+    per_token = MHATokenToKVPoolHost().get_size_per_token()
+    assert per_token > 0 and tiers.counts["l2_backup_device_bytes"] == hi.numel() * per_token
