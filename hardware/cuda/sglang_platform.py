@@ -66,6 +66,12 @@ class KllmCudaPlatform(CudaDeviceMixin, SRTPlatform):
     def get_default_speculative_draft_attention_backend(self, algorithm: str) -> str:
         return "triton"
 
+    def get_speculative_cache_locs_fn(self):
+        """SGLang's Triton kernel for speculative write windows (its `is_cuda()` gate is False here)."""
+        from kllm_plugins.hardware.cuda.spec_cache_locs import assign_extend_cache_locs
+
+        return assign_extend_cache_locs
+
     def get_graph_runner_cls(self):
         if not self.capabilities.graph_capture:
             return None
