@@ -66,11 +66,14 @@ def wait_for_quiet(max_s: float, busy_below: float = 0.3) -> float:
 
 def start_servers(stack: ExitStack, policies: list[str], args: Any, model: str) -> dict[str, Any]:
     servers = {}
+    variants = getattr(args, "variants", {})  # "fair_sched/<tag>": fair_sched with these options on top
     for policy in policies:
-        env = dict(kv.split("=", 1) for kv in args.fair_env) if policy == "fair_sched" else {}
+        fair = policy == "fair_sched" or policy.startswith("fair_sched/")
+        env = dict(kv.split("=", 1) for kv in args.fair_env) if fair else {}
+        env.update(variants.get(policy, {}))
         extra = ["--chunked-prefill-size", str(args.chunk), "--schedule-policy",
-                 "fcfs" if policy == "fair_sched" else policy, "--dtype", args.dtype]
-        servers[policy] = sglang_server(model, plugins=["fair_sched"] if policy == "fair_sched" else [],
+                 "fcfs" if fair else policy, "--dtype", args.dtype]
+        servers[policy] = sglang_server(model, plugins=["fair_sched"] if fair else [],
                                         extra_args=extra, max_total_tokens=args.max_total_tokens, env=env)
     for srv in servers.values():
         stack.callback(srv.stop)  # registered first: a TERM during start-up still stops them

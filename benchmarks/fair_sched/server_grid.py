@@ -34,7 +34,9 @@ from kllm_plugins.bench.stats import quantile  # noqa: E402
 
 POLICIES = ("fcfs", "lpm", "shortest-prefill-first", "hrrn", "fair_sched")
 STOCK = POLICIES[:-1]
-METRICS = ("mean", "p90", "p99", "short_p90", "long_mean", "tpot", "throughput")
+METRICS = ("mean", "p90", "p99", "short_p90", "long_mean", "tpot", "throughput", "retract_logs")
+# SGLang's log line when decode finds the KV pool full and sends running requests back to the queue
+RETRACT_LOG = r"KV cache pool is full\. Retract requests"
 
 
 def jobs_for(trace: str, n: int, rate: float, seed: int, long_tokens: int, salt: str) -> list[Job]:
@@ -77,9 +79,19 @@ def main() -> None:
     ap.add_argument("--max-total-tokens", type=int, default=65536)
     ap.add_argument("--cal-requests", type=int, default=40)
     ap.add_argument("--fair-env", nargs="*", default=[], help="KLLM_FAIR_SCHED_*=value for the fair_sched server")
+    ap.add_argument("--variant", action="append", default=[], metavar="TAG:KEY=V[,KEY=V]",
+                    help="also run fair_sched with these KLLM_FAIR_SCHED_* options as policy fair_sched/TAG "
+                         "(an ablation beside the defaults; not in the targets)")
     ap.add_argument("--shared", default="shared 2-core, several helpers", help="what shares the machine")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
+    args.variants = {}
+    for v in args.variant:
+        tag, _, kvs = v.partition(":")
+        if not tag or "=" not in kvs:
+            ap.error(f"--variant {v!r}: want TAG:KEY=V[,KEY=V]")
+        args.variants[f"fair_sched/{tag}"] = dict(kv.split("=", 1) for kv in kvs.split(","))
+    args.policies = list(args.policies) + [p for p in args.variants if p not in args.policies]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # leave through the ExitStack: servers stop
     from kllm_plugins.models.tiny_llama import tiny_llama_path
 
@@ -88,6 +100,7 @@ def main() -> None:
     per: dict[tuple[float, str], list[dict[str, float]]] = {}
     outputs: dict[tuple[float, int, str], dict[str, list[int]]] = {}
     fair_counters: dict[str, float] = {}
+    seen_retracts: dict[str, int] = {}
     with ExitStack() as stack:
         servers = start_servers(stack, args.policies, args, str(tiny_llama_path()))
         for name, srv in servers.items():
@@ -109,6 +122,9 @@ def main() -> None:
                     t0 = time.perf_counter()
                     outs = run_jobs(srv.base_url, jobs)
                     row = run_summary(outs, time.perf_counter() - t0)
+                    retracts = len(srv.grep_log(RETRACT_LOG))  # cumulative in the server's log
+                    row["retract_logs"] = float(retracts - seen_retracts.get(policy, 0))
+                    seen_retracts[policy] = retracts
                     per.setdefault((load, policy), []).append(row)
                     outputs[(load, seed, policy)] = {o.rid: o.output_ids for o in outs}
                     if before:
@@ -124,7 +140,8 @@ def main() -> None:
         m = {p: {k: statistics.fmean(x[k] for x in per[(load, p)]) for k in METRICS} for p in args.policies}
         spread = {p: {k: [min(x[k] for x in per[(load, p)]), max(x[k] for x in per[(load, p)])] for k in METRICS}
                   for p in args.policies}
-        ratios = {base: {k: m["fair_sched"][k] / m[base][k] for k in METRICS} for base in args.policies if base != "fair_sched"}
+        ratios = {base: {k: m["fair_sched"][k] / m[base][k] if m[base][k] else None for k in METRICS}
+                  for base in args.policies if base != "fair_sched"}
         ident = {p: sum(outputs[(load, s, p)][rid] == outputs[(load, s, "fcfs")].get(rid)
                         for s in range(args.seeds) for rid in outputs[(load, s, p)]) /
                  sum(len(outputs[(load, s, p)]) for s in range(args.seeds)) for p in args.policies if p != "fcfs"}
@@ -134,9 +151,12 @@ def main() -> None:
         lines.append(f"{args.trace} @ {load} ({load * capacity:.3f} req/s), seed means over {args.seeds} seeds; "
                      f"fair_sched / policy in brackets")
         lines.append(f"  {'metric':11s}" + "".join(f"{p:>28s}" for p in args.policies))
+        def cell_text(p: str, k: str) -> str:
+            r = ratios[p][k] if p != "fair_sched" else None
+            return f"{m[p][k]:.3f}" + (f" [{r:.2f}x]" if r is not None else "")
+
         for k in METRICS:
-            lines.append(f"  {k:11s}" + "".join(
-                f"{(f'{m[p][k]:.3f} [{ratios[p][k]:.2f}x]' if p != 'fair_sched' else f'{m[p][k]:.3f}'):>28s}" for p in args.policies))
+            lines.append(f"  {k:11s}" + "".join(f"{cell_text(p, k):>28s}" for p in args.policies))
         lines.append("  targets: " + "; ".join(f"{k} {v['value']:.2f} {'ok' if v['met'] else 'MISS'}" for k, v in tg.items()))
         lines.append("  outputs identical to fcfs: " + ", ".join(f"{p} {v:.0%}" for p, v in ident.items()))
     print("\n".join(lines), flush=True)
