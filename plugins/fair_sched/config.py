@@ -40,6 +40,8 @@ class FairSchedConfig:
     """Running requests decode one token inside every prefill pass (SGLang's mixed chunk), so prefills never stall them."""
     chunk_guard: bool = True
     """Cut or park a continuing chunk the free KV cannot hold (SGLang 0.5.23 hands it a whole chunk once the pass budget is spent, and the failed allocation ends the server)."""
+    chunk_guard_decode_steps: int = 8
+    """Decode steps of KV the chunk guard keeps free for the running requests (rows x steps) when it hands a continuing chunk the last free KV; 0: none."""
     kv_high_watermark: float = 0.95
     """KV usage at which admission of new requests stops (1.0: only when full)."""
     kv_low_watermark: float = 0.85
@@ -57,7 +59,7 @@ class FairSchedConfig:
 
     def __post_init__(self) -> None:
         for name in ("budget_tokens", "base_quota_tokens", "max_quota_tokens", "decode_every_chunks", "loop_min_tokens",
-                     "busy_decode_reqs"):
+                     "busy_decode_reqs", "chunk_guard_decode_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.short_extra_tokens < -1:

@@ -98,6 +98,7 @@ def kllm_declare() -> PluginSpec:
             OptionSpec("age_weight", float, d.age_weight, "order key = prefill tokens processed at arrival + age_weight x uncached prompt (0: FCFS)"),
             OptionSpec("mixed_decode", parse_bool, d.mixed_decode, "running requests decode inside every prefill pass (SGLang's mixed chunk)"),
             OptionSpec("chunk_guard", parse_bool, d.chunk_guard, "cut or park a continuing chunk the free KV cannot hold (stock SGLang overcommits it and the server exits)"),
+            OptionSpec("chunk_guard_decode_steps", int, d.chunk_guard_decode_steps, "decode steps of KV (running rows x steps) the chunk guard keeps free when a continuing chunk takes the last free KV (0: none)"),
             OptionSpec("kv_high_watermark", float, d.kv_high_watermark, "KV usage that pauses admission of new requests"),
             OptionSpec("kv_low_watermark", float, d.kv_low_watermark, "KV usage below which admission resumes"),
             OptionSpec("loop_min_tokens", int, d.loop_min_tokens, "cut outputs repeating a short period this long (0: off)"),

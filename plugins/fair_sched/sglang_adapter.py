@@ -361,7 +361,9 @@ def _fair_adder(base: type) -> type:
             left = budget.remaining_total
             if left > 0:  # budget left: SGLang's own min(chunk, budget) fits the free KV
                 return super().add_chunked_req(req)
-            n = continuation_tokens(self.rem_chunk_tokens, left, budget._available_and_evictable(), self.page_size)
+            rows = len(self.running_batch.reqs) if self.running_batch is not None else 0
+            n = continuation_tokens(self.rem_chunk_tokens, left, budget._available_and_evictable(), self.page_size,
+                                    decode_reserve=rows * st.cfg.chunk_guard_decode_steps)
             if n is None:
                 if self.running_batch is None or self.running_batch.is_empty():
                     return super().add_chunked_req(req)  # nothing will free KV: SGLang's own answer

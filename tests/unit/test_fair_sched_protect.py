@@ -67,20 +67,30 @@ def test_continuation_chunk_examples() -> None:
     assert continuation_tokens(2048, 0, 40, 16) is None
     with pytest.raises(ValueError):
         continuation_tokens(0, 0, 10, 1)
+    # a decode reserve (60 running rows x 8 steps): the chunk leaves that much for the next decode steps
+    assert continuation_tokens(512, 0, 900, 1, decode_reserve=480) == 418  # 900 - 2 slack - 480
+    assert continuation_tokens(512, 0, 1000, 1, decode_reserve=480) == 512
+    assert continuation_tokens(512, 0, 400, 1, decode_reserve=480) is None  # sits out while they decode
+    assert continuation_tokens(512, 0, 4096, 16, decode_reserve=20) == 512  # rounded up to 2 pages of reserve
+    assert continuation_tokens(512, 700, 400, 1, decode_reserve=480) == 512  # budget left: SGLang's answer
+    with pytest.raises(ValueError):
+        continuation_tokens(512, 0, 10, 1, decode_reserve=-1)
 
 
 @settings(max_examples=400, deadline=None)
-@given(st.integers(1, 1 << 16), st.integers(-(1 << 16), 1 << 16), st.integers(0, 1 << 17), st.sampled_from([1, 2, 16, 64]))
-def test_continuation_chunk_never_overruns_the_free_kv(chunk: int, left: int, free: int, page: int) -> None:
-    n = continuation_tokens(chunk, left, free, page)
+@given(st.integers(1, 1 << 16), st.integers(-(1 << 16), 1 << 16), st.integers(0, 1 << 17), st.sampled_from([1, 2, 16, 64]),
+       st.integers(0, 1 << 12))
+def test_continuation_chunk_never_overruns_the_free_kv(chunk: int, left: int, free: int, page: int, reserve: int) -> None:
+    n = continuation_tokens(chunk, left, free, page, decode_reserve=reserve)
     if left > 0:  # SGLang's budget (left <= free: it is free minus reservations) stands
         assert n == min(chunk, left)
         return
+    kept = 2 * page + -(-reserve // page) * page  # slack pages plus the decode reserve, in whole pages
     if n is None:
-        assert free < 3 * page  # not one page beyond the slack
+        assert free < kept + page  # not one page beyond the slack and the reserve
         return
     assert 0 < n <= chunk
-    assert n + 2 * page <= free  # the allocation, rounded up to pages, fits
+    assert n + kept <= free  # the allocation, rounded up to pages, fits with the reserve left
     assert n == chunk or n % page == 0
 
 

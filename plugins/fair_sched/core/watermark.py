@@ -56,7 +56,7 @@ class WatermarkGate:
 
 
 def continuation_tokens(chunk_limit: int, budget_left: float, free_tokens: int, page_size: int = 1,
-                        slack_pages: int = 2) -> int | None:
+                        slack_pages: int = 2, decode_reserve: int = 0) -> int | None:
     """Tokens the continuing chunk of a partially prefilled request may allocate this pass.
 
     SGLang 0.5.23's single-pool prefill budget hands the continuation a whole chunk once the pass
@@ -64,15 +64,21 @@ def continuation_tokens(chunk_limit: int, budget_left: float, free_tokens: int, 
     running requests) so that the request makes progress; when the pool's free and evictable tokens
     are fewer than that chunk, the allocation fails and the scheduler, with the whole server, exits.
     Here a spent budget gives the whole chunk only when it fits in `free_tokens` with
-    `slack_pages` of slack, else the largest page multiple that does, else None: the chunk sits
-    out this pass while the running requests finish or SGLang retracts them.
+    `slack_pages` of slack plus `decode_reserve` tokens (rounded up to pages) left for the
+    running requests' next decode steps, else the largest page multiple that does, else None:
+    the chunk sits out this pass while the running requests decode and finish. Without the
+    reserve the chunk takes the last free pages and the next decode step finds none: SGLang then
+    retracts a decoding request (its KV recomputed later) and resets its reservation ratio to 1.0,
+    which throttles admission for hundreds of steps.
     With budget left, SGLang's own answer stands (`min(chunk_limit, budget_left)`).
     """
-    if chunk_limit <= 0 or page_size <= 0:
-        raise ValueError(f"chunk_limit and page_size must be > 0, got {chunk_limit}, {page_size}")
+    if chunk_limit <= 0 or page_size <= 0 or decode_reserve < 0:
+        raise ValueError(f"chunk_limit and page_size must be > 0 and decode_reserve >= 0, got {chunk_limit}, "
+                         f"{page_size}, {decode_reserve}")
     if budget_left > 0:
         return int(min(chunk_limit, budget_left))
-    room = (free_tokens - slack_pages * page_size) // page_size * page_size
+    reserve_pages = slack_pages + -(-decode_reserve // page_size)
+    room = (free_tokens - reserve_pages * page_size) // page_size * page_size
     if room >= chunk_limit:
         return chunk_limit
     return room if room >= page_size else None
