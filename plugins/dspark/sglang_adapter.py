@@ -39,6 +39,8 @@ class DsparkState:
         self._writer: StatsWriter | None = None
         self._next_publish = 0.0
         self._failed = False
+        self.ragged_blocked_by: str | None = None
+        """The attention backend that cannot run ragged verify steps (then the plugin changes nothing)."""
         self.replicated_only = False
         """Set under tensor parallelism: every rank must compute the same budget (the graph tier
         is derived from it on each rank), and step times differ per rank, so the learned planner
@@ -57,7 +59,8 @@ class DsparkState:
             logger.debug("kllm dspark: stats not written: %s", exc)
 
     def snapshot(self) -> dict[str, Any]:
-        return {"plans": dict(self.counts), "last": dict(self.last), "cost_model": self.model.snapshot()}
+        return {"plans": dict(self.counts), "last": dict(self.last), "cost_model": self.model.snapshot(),
+                "ragged_verify_blocked_by": self.ragged_blocked_by}
 
     def plan(self, original: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
         from sglang.srt.speculative.dspark_components.dspark_planner import VerifyBudgetDecision
@@ -143,12 +146,53 @@ def around_compute_verify_token_budget(original: Callable[..., Any], *args: Any,
         return original(*args, **kwargs)
 
 
+# SGLang 0.5.23 attention backends whose target-verify forward ignores the ragged verify layout (it
+# reads every request as draft_token_num rows): a compact (ragged) verify step there reads past its
+# rows, an illegal memory access on the GPU (seen with triton on the H100). flashinfer, fa3 and the
+# trtllm backends read the layout.
+NO_RAGGED_VERIFY = frozenset({"triton", "torch_native"})
+_BACKEND_FIELDS = ("attention_backend", "prefill_attention_backend", "decode_attention_backend")
+
+
+def _attention_backends() -> list[str]:
+    """The attention backends in effect (the exec bag), else as the operator gave them."""
+    names: list[Any] = []
+    try:
+        from sglang.srt.runtime_context import get_exec
+
+        kernel = get_exec().kernel
+        names += [getattr(kernel, f, None) for f in _BACKEND_FIELDS]
+    except Exception:  # noqa: BLE001 - the bag is published only inside a server process
+        pass
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        args = get_server_args()
+        names += [getattr(args, f, None) for f in _BACKEND_FIELDS]
+    except Exception:  # noqa: BLE001
+        pass
+    return [str(n) for n in names if n]
+
+
+def ragged_verify_blocker() -> str | None:
+    """The attention backend that cannot run a ragged verify step, if one is in effect."""
+    return next((n for n in _attention_backends() if n in NO_RAGGED_VERIFY), None)
+
+
 def around_build_sps_cost_table(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     table = original(*args, **kwargs)
-    if state() is None:
+    st = state()
+    if st is None:
         return table
     from sglang.srt.speculative.dspark_components.dspark_sps import SpsCostTable, is_uninitialized_sps_table
 
+    blocker = ragged_verify_blocker()
+    if blocker is not None:
+        st.ragged_blocked_by = blocker
+        logger.warning("kllm dspark: attention backend %s does not read ragged verify layouts in SGLang 0.5.23; "
+                       "SGLang's table is kept (compact mode stays verify-all) and the plugin changes no budget",
+                       blocker)
+        return table
     if not is_uninitialized_sps_table(table):
         logger.info("kllm dspark: profiled SPS table kept as the fallback while the cost model warms up")
         return table

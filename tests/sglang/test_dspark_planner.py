@@ -189,6 +189,25 @@ def test_plugin_changes_the_budget_sglang_computes(plugin_on: Callable[[DsparkCo
     assert lens[int(order[-1])] >= lens[int(order[0])]
 
 
+@pytest.mark.parametrize("backend,ragged", [("triton", False), ("torch_native", False), ("flashinfer", True), ("fa3", True)])
+def test_ragged_verify_only_where_the_attention_backend_reads_it(
+        plugin_on: Callable[[DsparkConfig], None], monkeypatch: pytest.MonkeyPatch, backend: str, ragged: bool) -> None:
+    """On an attention backend whose verify forward ignores SGLang's ragged layout (triton: an
+    illegal memory access on the H100), the plugin keeps SGLang's table: compact mode stays
+    verify-all, as stock, and the reason is in the stats."""
+    monkeypatch.setattr(adapter, "_attention_backends", lambda: [backend])
+    plugin_on(DsparkConfig(explore_prob=0.0, warmup_explore_prob=0.0))
+    with get_context().override_server_args(max_running_requests=16):
+        planner = make_planner()
+        budget, lens = step(planner, confidences(8), torch.full((8,), 500))
+    st = adapter.state()
+    assert st is not None
+    assert planner.is_verify_all is (not ragged)
+    assert st.snapshot()["ragged_verify_blocked_by"] == (None if ragged else backend)
+    if not ragged:
+        assert budget == 8 * GAMMA and lens == [GAMMA + 1] * 8  # what stock does
+
+
 def test_tensor_parallel_keeps_sglangs_replicated_budget(plugin_on: Callable[[DsparkConfig], None]) -> None:
     """Under TP every rank must reach the same budget; per-rank timings cannot guarantee it, so
     the learned planner stands aside there while the verify-length options still apply."""
