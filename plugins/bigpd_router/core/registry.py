@@ -166,10 +166,13 @@ class Registry:
     def start_drain(self, url: str, now: float | None = None) -> Instance:
         with self._lock:
             inst = self._by_url[url]
-            if inst.health is not Health.DRAINING:
+            started = inst.health is not Health.DRAINING
+            if started:
                 inst.health = Health.DRAINING
                 inst.drain_started = time.monotonic() if now is None else now
         log.info("instance draining url=%s in_flight=%d", url, inst.in_flight)
+        if started:
+            self._emit("health", inst)
         return inst
 
     def remove(self, url: str) -> Instance:

@@ -116,6 +116,16 @@ class Exchange:
         t = w.transport
         return t.get_write_buffer_size() > 65536 or t.is_closing()
 
+    def push_framed(self, wire: bytes) -> bool:
+        """Like `push`, for bytes already in the chunked coding (whole chunks, never the last one),
+        written as they are."""
+        t = self.writer.transport
+        try:
+            t.write(wire)
+        except RuntimeError:  # uvloop: the transport is closed
+            raise ConnectionResetError("client connection is closed") from None
+        return t.get_write_buffer_size() > 65536 or t.is_closing()
+
     async def drain(self) -> None:
         await _drain(self.writer)
 

@@ -105,6 +105,93 @@ class ChunkedDecoder:
         self._state = 0  # 0: size line, 1: data, 2: CRLF after data, 3: trailers
         self.done = False
 
+    def _size(self, line: bytes) -> int:
+        """The size on a chunk's size line (extensions and blanks allowed, as `feed` reads it)."""
+        size_txt = line.split(b";", 1)[0].strip()
+        try:
+            size = int(size_txt, 16)
+        except ValueError:
+            raise BadHttp(f"bad chunk size {size_txt[:20]!r}") from None
+        if size < 0:
+            raise BadHttp(f"bad chunk size {size_txt[:20]!r}")
+        return size
+
+    def feed_wire(self, data: bytes) -> bytes:
+        """Like `feed`, but what it hands on is still in the chunked coding, ready to be written to a
+        chunked response as it is: the chunks that arrived whole go on byte for byte, in one slice of
+        the input (no copy of their data when the input is all whole chunks, as a streaming server
+        writes them: one event per chunk), while a chunk not complete yet, or one whose size line is
+        not plain lower-case hex (extensions, upper case, leading zeros), goes on re-framed as
+        chunks of its own. The last chunk and any trailers are not handed on (the relaying side ends
+        its body itself); the payload of the result is exactly what `feed` would have returned, and
+        it always ends on a chunk boundary, so the relaying side may add chunks of its own at any time."""
+        if self._state == 0 and not self._buf:  # the usual read of a stream: one whole event chunk
+            end = data.find(b"\r\n")
+            size = len(data) - end - 4  # if it is one chunk, and its size line says so, plainly
+            if end > 0 and size > 0 and data[:end] == b"%x" % size and data[-2:] == b"\r\n":
+                return data
+        buf = self._buf + data if self._buf else data
+        n = len(buf)
+        pos = 0
+        start = 0 if self._state == 0 else -1  # where the run of whole chunks handed on as they are began
+        out: list[bytes] = []
+        while pos < n and not self.done:
+            state = self._state
+            if state == 0:
+                end = buf.find(b"\r\n", pos)
+                if end < 0:
+                    if n - pos > 1024:
+                        raise BadHttp("chunk size line too long")
+                    break
+                line = buf[pos:end]
+                try:
+                    size = int(line, 16)
+                    plain = size > 0 and b"%x" % size == line
+                except ValueError:
+                    size, plain = self._size(line), False
+                stop = end + 2 + size
+                if plain and stop + 2 <= n:  # whole, plainly framed: the run goes on
+                    if buf[stop:stop + 2] != b"\r\n":
+                        raise BadHttp("chunk not followed by CRLF")
+                    pos = stop + 2
+                    continue
+                if size < 0:
+                    raise BadHttp(f"bad chunk size {line[:20]!r}")
+                if start >= 0 and start < pos:
+                    out.append(buf[start:pos])
+                start = -1
+                pos = end + 2
+                self._left = size
+                self._state = 1 if size else 3
+            elif state == 1:
+                take = min(self._left, n - pos)
+                out.append(b"%x\r\n%b\r\n" % (take, buf[pos:pos + take]))
+                pos += take
+                self._left -= take
+                if self._left == 0:
+                    self._state = 2
+            elif state == 2:
+                if n - pos < 2:
+                    break
+                if buf[pos:pos + 2] != b"\r\n":
+                    raise BadHttp("chunk not followed by CRLF")
+                pos += 2
+                self._state = 0
+                start = pos
+            else:  # trailers until an empty line
+                end = buf.find(b"\r\n", pos)
+                if end < 0:
+                    break
+                if end == pos:
+                    self.done = True
+                pos = end + 2
+        if start >= 0 and start < pos and self._state == 0:
+            out.append(buf[start:pos])
+        self._buf = buf[pos:] if pos < n else b""
+        if len(out) == 1:
+            return out[0]
+        return b"".join(out)
+
     def feed(self, data: bytes) -> list[bytes]:
         out: list[bytes] = []
         buf = self._buf + data if self._buf else data

@@ -3,8 +3,9 @@
 The health checks (`control_loops`) ask SGLang's /health, which a busy server may answer late,
 so they are patient: a stopped process (SIGSTOP, a hung host) took them over 13 s to see. This
 loop asks every routable instance for /model_info, which SGLang's HTTP process answers without
-the scheduler, every `liveness_interval_s`; `liveness_failures` probes in a row unanswered within
-`liveness_timeout_s` (or refused) mark the instance down at once, unless one of its streams
+the scheduler (a plain GET over pooled keep-alive connections), every `liveness_interval_s`;
+`liveness_failures` probes in a row unanswered within `liveness_timeout_s` (or refused) mark the
+instance down at once, unless one of its streams
 delivered a piece meanwhile, and the watchdog then fails over the requests on it that have no
 token yet. Taking an instance back stays with the health checks.
 The first answer of each instance also teaches the router the model's limits (`fetch_limits`).
@@ -19,12 +20,14 @@ from typing import TYPE_CHECKING
 import aiohttp
 
 from kllm_plugins.plugins.bigpd_router.core.registry import Instance
+from kllm_plugins.plugins.bigpd_router.service.http_wire import BadHttp
+from kllm_plugins.plugins.bigpd_router.service.ticks import tick
 
 if TYPE_CHECKING:
     from kllm_plugins.plugins.bigpd_router.service.router import Router
 
 log = logging.getLogger("kllm.bigpd_router.liveness")
-NET_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
+PROBE_ERRORS = (OSError, TimeoutError, BadHttp)  # ConnectionError is an OSError
 
 
 class Liveness:
@@ -33,13 +36,10 @@ class Liveness:
         self.misses: dict[str, int] = {}
 
     async def _probe(self, inst: Instance, timeout: aiohttp.ClientTimeout) -> None:
-        session = self.r.session
-        assert session is not None
         try:
-            async with session.get(inst.url + "/model_info", timeout=timeout) as resp:
-                await resp.read()
-                ok = resp.status < 500
-        except NET_ERRORS:
+            status, _ = await self.r.proxy.get(inst.url, "/model_info", timeout.total or self.r.cfg.liveness_timeout_s)
+            ok = status < 500
+        except PROBE_ERRORS:
             ok = False
         if ok:
             self.misses.pop(inst.url, None)
@@ -64,4 +64,4 @@ class Liveness:
         while True:
             insts = [i for i in self.r.registry if i.routable]
             await asyncio.gather(*(self._probe(i, timeout) for i in insts), return_exceptions=True)
-            await asyncio.sleep(cfg.liveness_interval_s)
+            await tick(cfg.liveness_interval_s)

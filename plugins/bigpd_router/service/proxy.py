@@ -33,7 +33,7 @@ from kllm_plugins.plugins.bigpd_router.core.registry import Instance, Role
 from kllm_plugins.plugins.bigpd_router.core.request_shape import BadRequest, RequestShape, loads, parse
 from kllm_plugins.plugins.bigpd_router.core.slo_load import backlog_tokens, measured_tpot
 from kllm_plugins.plugins.bigpd_router.service.front_server import Exchange, dumps
-from kllm_plugins.plugins.bigpd_router.service.http_wire import BadHttp
+from kllm_plugins.plugins.bigpd_router.service.http_wire import BadHttp, ChunkedDecoder, chunk
 from kllm_plugins.plugins.bigpd_router.service.upstream import PATHS, BeforeFirstToken, Ticket
 from kllm_plugins.plugins.bigpd_router.service.upstream_pool import SinkError, UpstreamPool, UpstreamResponse
 from kllm_plugins.plugins.bigpd_router.service.watchdog import Watch, Watchdog
@@ -84,6 +84,8 @@ class Proxy:
     def __init__(self, router: Router) -> None:
         self.r = router
         self.pool = UpstreamPool()
+        self.probes = UpstreamPool(max_idle_per_host=4)
+        """Keep-alive connections of the background loops' probes (`get`), apart from the requests'."""
         self._addr: dict[str, Address] = {}
         self._rid_prefix = os.urandom(6).hex() + "-"
         self._rid_seq = itertools.count(1)
@@ -120,6 +122,21 @@ class Proxy:
                 b"Content-Length: %d\r\n\r\n" % (path.encode(), a.host_header, rid.encode("latin-1"), extra,
                                                   len(body)))
         return await self.pool.request(a.host, a.port, head, body, tls=a.tls)
+
+    async def get(self, url: str, path: str, timeout_s: float) -> tuple[int, bytes]:
+        """A GET of `path` on an instance over pooled keep-alive connections of their own (the probes
+        of the background loops: far cheaper than an aiohttp request); raises ConnectionError,
+        OSError, BadHttp or TimeoutError."""
+        a = self.address(url)
+        head = b"GET %b HTTP/1.1\r\nHost: %b\r\n\r\n" % (path.encode(), a.host_header)
+        resp: UpstreamResponse | None = None
+        try:
+            async with asyncio.timeout(timeout_s):
+                resp = await self.probes.request(a.host, a.port, head, b"", tls=a.tls)
+                return resp.status, await resp.read_all()
+        finally:
+            if resp is not None and not resp.complete:
+                resp.close()
 
     # ------------------------------------------------------------------ entry
     async def handle(self, ex: Exchange, endpoint: str) -> None:
@@ -159,7 +176,7 @@ class Proxy:
         task = asyncio.current_task()
         assert task is not None
         watch = Watch(task, ex)
-        wd = self.watchdog.active
+        wd = self.watchdog
         wd.add(watch)
         try:
             await self._route(ex, shape, rid, watch)
@@ -373,23 +390,37 @@ class Proxy:
                               ("Cache-Control", "no-cache"), ("X-Request-Id", rid),
                               ("X-Kllm-Instance", ticket.inst.url)))
         status, ending = 200, b""
-        tail = [b"", b""]  # the last two pieces: the final event (usage) may straddle them
+        # the last two pieces, still chunk-framed: the final event (usage) may straddle them
+        tail = [b"", b""]
+        # what the sink calls, looked up once: it runs once per token, cold (the process slept in
+        # between), where every call and lookup shows; this is Exchange.push_framed, inlined
+        transport = ex.writer.transport
+        write, buffered, closing = transport.write, transport.get_write_buffer_size, transport.is_closing
+        monotonic = time.monotonic
 
-        def sink(piece: bytes) -> bool:
-            """Called for every piece, from the upstream transport's callback once relaying."""
-            n = piece.count(b"data:")
-            if b"[DONE]" in piece:
+        def sink(wire: bytes) -> bool:
+            """Called for every piece (whole chunks of the chunked coding, relayed to the client as
+            they are), from the upstream transport's callback once relaying; True when the client
+            is behind. The chunk size lines cannot hold "data:" or "[DONE]": counting in the framed
+            bytes counts the events. ConnectionResetError: the client left."""
+            n = wire.count(b"data:")
+            if b"[DONE]" in wire:
                 n -= 1
             ticket.events += n
-            ticket.t_last = time.monotonic()
-            tail[0], tail[1] = tail[1], piece
-            return ex.push(piece)  # ConnectionError here: the client left
+            ticket.t_last = monotonic()
+            tail[0] = tail[1]
+            tail[1] = wire
+            try:
+                write(wire)
+            except RuntimeError:  # uvloop: the transport is closed
+                raise ConnectionResetError("client connection is closed") from None
+            return buffered() > 65536 or closing()
 
         try:
-            if sink(first):
+            if sink(chunk(first)):
                 await ex.drain()
             try:
-                await resp.relay(sink, ex.drain)
+                await resp.relay(sink, ex.drain, framed=True)
             except SinkError as exc:
                 raise ClientGone from exc
             except UPSTREAM_ERRORS as exc:
@@ -398,7 +429,7 @@ class Proxy:
                 r.registry.mark_check(ticket.inst.url, False)
                 ending = sse_error(f"instance failed mid-stream: {exc!r}", status)
             else:
-                if not tail[1].rstrip().endswith(b"[DONE]") and shape.endpoint != "generate":
+                if not _payload(tail[1]).rstrip().endswith(b"[DONE]") and shape.endpoint != "generate":
                     status = 502
                     ending = sse_error("instance closed the stream early", status)
         except asyncio.CancelledError:
@@ -428,7 +459,7 @@ class Proxy:
             self.client_left(ex, "streaming")
         else:
             ex.status = status  # counted as what the client got in the end
-        r.observe_usage(shape, _last_event(tail[0] + tail[1]))
+        r.observe_usage(shape, _last_event(_payload(tail[0] + tail[1])))
         tp = ticket.tpot()
         if tp is not None:
             r.tpot_actual[Role.DECODE if prefill else Role.PLAIN].add(tp)
@@ -449,6 +480,15 @@ class Proxy:
 
     def close(self) -> None:
         self.pool.close()
+        self.probes.close()
+
+
+def _payload(wire: bytes) -> bytes:
+    """The payload of whole chunks of the chunked coding (what `sink` relayed)."""
+    try:
+        return b"".join(ChunkedDecoder().feed(wire)) if wire else b""
+    except BadHttp:  # not from feed_wire or chunk(): cannot happen
+        return b""
 
 
 def _last_event(tail: bytes) -> Any:

@@ -150,6 +150,8 @@ class Router:
             self.metrics.in_flight.labels(inst.url).set(0)
         elif event == "join" and inst.kv_events:
             self.kv_feed.subscribe(inst)
+        elif event == "health" and inst.health is Health.DRAINING:
+            self.loops.drain_started()
 
     async def add_instance(self, url: str, role: Role | None = None, bootstrap_port: int | None = None,
                            managed: bool = False) -> Instance:

@@ -27,6 +27,7 @@ from kllm_plugins.plugins.bigpd_router.service.http_wire import (
     BadHttp,
     ChunkedDecoder,
     body_length,
+    chunk,
     parse_response_head,
 )
 
@@ -51,9 +52,12 @@ class _Relay(asyncio.Protocol):
     connection's state stays right for the pool) and is swapped back out when the body ends."""
 
     def __init__(self, resp: UpstreamResponse, sink: Callable[[bytes], bool], transport: asyncio.Transport,
-                 orig: asyncio.BaseProtocol) -> None:
+                 orig: asyncio.BaseProtocol, framed: bool = False) -> None:
         self.resp = resp
         self.sink: Callable[[bytes], bool] | None = sink
+        self.framed = framed
+        self.dec = resp._chunks
+        assert self.dec is not None
         self.transport = transport
         self.orig = orig
         self.waiter: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
@@ -74,14 +78,18 @@ class _Relay(asyncio.Protocol):
         self._wake(False)
 
     def data_received(self, data: bytes) -> None:
+        # once per token, run cold (the process slept since the last one): kept short on purpose
         sink = self.sink
         if sink is None:  # ended: nothing more goes to the client
             return
-        dec = self.resp._chunks
-        assert dec is not None
+        dec = self.dec
         try:
-            pieces = dec.feed(data)
-            behind = bool(pieces) and sink(pieces[0] if len(pieces) == 1 else b"".join(pieces))
+            if self.framed:  # the chunks as they came (see ChunkedDecoder.feed_wire)
+                wire = dec.feed_wire(data)
+                behind = sink(wire) if wire else False
+            else:
+                pieces = dec.feed(data)
+                behind = bool(pieces) and sink(pieces[0] if len(pieces) == 1 else b"".join(pieces))
         except BadHttp as exc:
             return self._end(ConnectionError(f"instance sent a bad chunked body: {exc}"))
         except ConnectionError as exc:
@@ -212,12 +220,16 @@ class UpstreamResponse:
         else:
             self._give_back()
 
-    async def relay(self, sink: Callable[[bytes], bool], drain: Callable[[], Awaitable[object]]) -> None:
+    async def relay(self, sink: Callable[[bytes], bool], drain: Callable[[], Awaitable[object]],
+                    framed: bool = False) -> None:
         """Hand every further piece of the body to `sink(piece)` as it arrives; returns once the body
         is complete. A chunked body is pushed from the transport's callback (no task wake-up per
         piece); others are read piece by piece. `sink` returns True when its client is behind:
         reading pauses until `await drain()` returns. Raises SinkError when `sink` raised
-        ConnectionError (nothing more is pushed), ConnectionError when the body is cut."""
+        ConnectionError (nothing more is pushed), ConnectionError when the body is cut.
+        `framed`: the pieces are in the chunked coding (whole chunks, never the last one), ready for
+        a chunked response: a chunked body's chunks go on as they came, with no decoding and
+        re-encoding (`ChunkedDecoder.feed_wire`), other bodies' pieces are framed here."""
         reader = self._conn.reader if self._conn is not None else None
         while not self.complete and reader is not None and (
                 self._chunks is None or reader._buffer or reader.at_eof() or reader.exception() is not None):  # noqa: SLF001
@@ -225,7 +237,7 @@ class UpstreamResponse:
             piece = await self.read_some()
             if piece:
                 try:
-                    behind = sink(piece)
+                    behind = sink(chunk(piece) if framed else piece)
                 except ConnectionError as exc:
                     raise SinkError("the sink refused a piece") from exc
                 if behind:
@@ -234,7 +246,7 @@ class UpstreamResponse:
         if self.complete or conn is None:
             return
         transport = conn.writer.transport
-        relay = _Relay(self, sink, transport, transport.get_protocol())
+        relay = _Relay(self, sink, transport, transport.get_protocol(), framed)
         transport.set_protocol(relay)
         try:
             while await relay.waiter:  # True: the client is behind (reading is paused)

@@ -10,6 +10,9 @@ reason the proxy turns into the right answer, when:
   within `stall_s` of the last one, or the whole request past `deadline` ("timeout");
 - its instance was marked down (liveness or health checks) and the request has no token yet,
   or its stream has been silent for longer than `down_grace_s` ("down").
+
+With nothing in flight the loop sleeps until a request registers (no ticks while idle), and its
+ticks fall on the `tick` grid that the background loops share, so one wake-up serves them all.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 from kllm_plugins.plugins.bigpd_router.core.registry import Health, Instance
+from kllm_plugins.plugins.bigpd_router.service.ticks import tick
 
 if TYPE_CHECKING:
     from kllm_plugins.plugins.bigpd_router.service.front_server import Exchange
@@ -62,6 +66,20 @@ class Watchdog:
         self.on_fire = on_fire
         self.active: set[Watch] = set()
         self.fired: dict[str, int] = {"client": 0, "timeout": 0, "down": 0}
+        self._busy: asyncio.Event | None = None
+        """Set while requests are watched (made by `run`, in its loop)."""
+
+    def add(self, w: Watch) -> None:
+        active = self.active
+        if not active and self._busy is not None:
+            self._busy.set()
+        active.add(w)
+
+    def discard(self, w: Watch) -> None:
+        active = self.active
+        active.discard(w)
+        if not active and self._busy is not None:
+            self._busy.clear()
 
     def verdict(self, w: Watch, now: float) -> str | None:
         if w.ex.client_gone():
@@ -100,8 +118,13 @@ class Watchdog:
         return n
 
     async def run(self) -> None:
+        busy = self._busy = asyncio.Event()
+        if self.active:
+            busy.set()
         while True:
-            await asyncio.sleep(self.tick_s)
+            if not busy.is_set():
+                await busy.wait()  # idle: no timer until a request is watched
+            await tick(self.tick_s)
             try:
                 self.scan()
             except Exception:  # the watchdog must outlive any one request
