@@ -61,6 +61,19 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def cpu_ns(pid: int) -> int:
+    """CPU time of all the process's threads in ns, from the scheduler's accounting
+    (/proc/PID/task/*/schedstat): exact where `cpu_seconds` counts 10 ms ticks."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat", encoding="ascii") as fh:
+                total += int(fh.read().split()[0])
+        except OSError:  # a thread that just ended
+            pass
+    return total
+
+
 def med(xs: list[float]) -> float:
     """The harness's median (numpy.percentile-compatible), rounded; NaN for no samples."""
     return round(quantile(xs, 0.5), 3) if xs else float("nan")
@@ -88,6 +101,11 @@ def main() -> None:
     ap.add_argument("--bs-fake-ttft-s", type=float, default=0.02)
     ap.add_argument("--bs-fake-tpot-s", type=float, default=0.01)
     ap.add_argument("--bs-baseline-tree", help="also run the router code of this checkout, in the same rounds")
+    ap.add_argument("--bs-short-output-len", type=int, default=-1,
+                    help="router CPU per token is the slope between the rounds' output length and this one (one "
+                         "more run per router per round, its CPU only; -1: output length / 8, at least 2; 0: off)")
+    ap.add_argument("--bs-idle-s", type=float, default=3.0,
+                    help="per round, the routers' CPU over this many seconds with no traffic (0: not measured)")
     ap.add_argument("--bs-max-s", type=float, default=0.0, help="start no round after this many seconds (0: no bound)")
     ap.add_argument("--bs-pin", metavar="SERVER_CPUS:ROUTER_CPUS", default="",
                     help="real backend only: run the server on SERVER_CPUS and the router and the client on "
@@ -112,7 +130,8 @@ def main() -> None:
                                       args.bs_input_len, args.bs_output_len, args.bs_concurrency,
                                       args.bs_fake_ttft_s, args.bs_fake_tpot_s, not args.no_record,
                                       args.bs_baseline_tree, args.bs_max_s, parse_pin(args.bs_pin),
-                                      args.bs_gpu, args.bs_out_root, args.bs_from_log)
+                                      args.bs_gpu, args.bs_out_root, args.bs_from_log,
+                                      args.bs_short_output_len, args.bs_idle_s)
     load_before = os.getloadavg()
     tmp = tempfile.mkdtemp(prefix="kllm-bench-")
     procs = []
@@ -317,14 +336,19 @@ def bench_serving_overhead(model_path: str, backend: str, rounds: int, num_promp
                            output_len: int, concurrency: int, ttft_s: float, tpot_s: float, record: bool,
                            baseline_tree: str | None = None, max_s: float = 0.0,
                            pin: tuple[str, str] | None = None, gpu: bool = False, out_root: str = "",
-                           from_log: str = "") -> None:
+                           from_log: str = "", short_len: int = -1, idle_s: float = 3.0) -> None:
     """`sglang.bench_serving` directly against one backend and through kllm-router to it, interleaved
     (direct, router; then router, direct; ...), the same prompts (seed) for both in a round. The
     backend is the fake one (`fake`: paced tokens, no model, so only the router's cost differs) or a
     real SGLang server on the CPU platform (`sglang`). Added figures per round are router minus
     direct of that round's medians; the cost per output token is the added median TPOT, cross-checked
-    against (added E2E - added TTFT) / (output_len - 1). Router CPU per relayed token is the router
-    process's CPU time during its own rounds over the tokens it relayed. `baseline_tree`: the router
+    against (added E2E - added TTFT) / (output_len - 1). Router CPU per relayed token is the slope of
+    the router's CPU per request between the round's output length and `short_len` (each router runs
+    the same prompts once more at that length, CPU only): the per-request part and the background
+    loops' idle part do not count as tokens. Beside it, per request (the intercept), idle (ms of CPU a
+    second over `idle_s` with no traffic, all routers at once, per round), the router's CPU of the
+    rounds less its idle rate over their time, per token, and, as reported before, all of its CPU
+    during its rounds over the tokens it relayed (which counts per-request and idle CPU as tokens'). `baseline_tree`: the router
     code of another checkout runs as a third target in the same rounds (before/after a change).
     `max_s` > 0: no new round starts after that many seconds (at least two rounds run). `pin`: the
     server's and the router's CPU lists (the client runs on the router's). `gpu`: the server runs on
@@ -338,11 +362,16 @@ def bench_serving_overhead(model_path: str, backend: str, rounds: int, num_promp
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     _datasets_for_bench_serving()
     load_before = os.getloadavg()
+    short = short_len if short_len >= 0 else max(2, output_len // 8)
+    if short >= output_len:
+        short = 0
     if from_log:  # a run the step limit cut after its last round: its rows, as printed
         rows, rounds, log_device = rows_from_log(from_log)
         cpu_router: dict[str, float | None] = {"kllm": None}  # not measured
+        cpu_rows: list[dict[str, Any]] = []
     else:
         tmp = tempfile.mkdtemp(prefix="kllm-bs-")
+        cpu_rows = []
         server = None
         procs = []
         if backend == "fake":
@@ -403,19 +432,37 @@ def bench_serving_overhead(model_path: str, backend: str, rounds: int, num_promp
                 # the order rotates, so each target takes each position equally often over the rounds;
                 # the backend's prefix cache is emptied before each target, or whichever runs second in a
                 # round would find the same prompts cached
+                if idle_s > 0:  # the routers' background alone: all at once, nothing sent
+                    time.sleep(0.5)
+                    marks = {name: (cpu_ns(pid), time.monotonic()) for name, _, pid in targets[1:]}
+                    time.sleep(idle_s)
+                    for name, _, pid in targets[1:]:
+                        ns, t0 = marks[name]
+                        cpu_rows.append({"cpu": "idle", "round": rnd, "target": name,
+                                         "cpu_s": (cpu_ns(pid) - ns) / 1e9, "wall_s": time.monotonic() - t0})
+                        print(json.dumps(cpu_rows[-1]), flush=True)
                 k = rnd % len(targets)
                 for name, url, pid in targets[k:] + targets[:k]:
-                    flush_cache(targets[0][1])
-                    c0 = cpu_seconds(pid) if pid else 0.0
-                    res = _bench_serving_once(url, model_path, num_prompts, input_len, output_len, concurrency, rnd,
-                                              f"{tmp}/{name}-{rnd}.jsonl")
-                    if pid:
-                        cpu_router[name] += cpu_seconds(pid) - c0
-                    row = {"round": rnd, "target": name, "completed": res["completed"],
-                           "output_tokens": res["total_output_tokens"]}
-                    row.update({k: round(float(res[k]), 3) for k in BS_KEYS})
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
+                    for length in (output_len, short) if pid and short else (output_len,):
+                        flush_cache(targets[0][1])
+                        c0, t0 = (cpu_ns(pid) if pid else 0), time.monotonic()
+                        res = _bench_serving_once(url, model_path, num_prompts, input_len, length, concurrency, rnd,
+                                                  f"{tmp}/{name}-{rnd}-{length}.jsonl")
+                        if pid:
+                            cpu = (cpu_ns(pid) - c0) / 1e9
+                            cpu_rows.append({"cpu": "run", "round": rnd, "target": name, "output_len": length,
+                                             "completed": res["completed"], "output_tokens": res["total_output_tokens"],
+                                             "cpu_s": cpu, "wall_s": time.monotonic() - t0})
+                            print(json.dumps(cpu_rows[-1]), flush=True)
+                        if length != output_len:
+                            continue  # the short run: the router's CPU only
+                        if pid:
+                            cpu_router[name] += cpu
+                        row = {"round": rnd, "target": name, "completed": res["completed"],
+                               "output_tokens": res["total_output_tokens"]}
+                        row.update({k: round(float(res[k]), 3) for k in BS_KEYS})
+                        rows.append(row)
+                        print(json.dumps(row), flush=True)
         finally:
             for p in procs:
                 stop(p)
@@ -446,9 +493,38 @@ def bench_serving_overhead(model_path: str, backend: str, rounds: int, num_promp
             "ratio_median_ttft": ratio("median_ttft_ms"),
             "ratio_median_tpot": ratio("median_tpot_ms"),
             "ratio_median_e2e": ratio("median_e2e_latency_ms"),
-            "router_cpu_us_per_token": (None if (cpu := cpu_router[router]) is None
+            "router_cpu_us_per_token": (None if (cpu := cpu_router.get(router)) is None
                                         else round(cpu * 1e6 / max(1, relayed), 1)),
+            **cpu_figures(router),
             "failed": sum(num_prompts - r["completed"] for r, _ in pairs),
+        }
+
+    def cpu_figures(router: str) -> dict[str, Any]:
+        """The router's CPU split: per token (slope between the two output lengths), per request
+        (intercept), idle; and its CPU of the rounds less idle, per token. None where not measured."""
+        idle = {r["round"]: r["cpu_s"] / r["wall_s"] for r in cpu_rows
+                if r["cpu"] == "idle" and r["target"] == router and r["round"] < rounds}
+        runs = {(r["round"], r["output_len"]): r for r in cpu_rows
+                if r["cpu"] == "run" and r["target"] == router and r["round"] < rounds}
+        slope, per_request, less_idle = [], [], []
+        for k in range(rounds):
+            long, sh = runs.get((k, output_len)), runs.get((k, short))
+            if long is None:
+                continue
+            if k in idle:
+                less_idle.append(round((long["cpu_s"] - idle[k] * long["wall_s"]) * 1e6
+                                       / max(1, long["output_tokens"]), 2))
+            if sh is not None and long["completed"] and sh["completed"]:
+                tl, ts = long["output_tokens"] / long["completed"], sh["output_tokens"] / sh["completed"]
+                if tl > ts:
+                    b = (long["cpu_s"] / long["completed"] - sh["cpu_s"] / sh["completed"]) / (tl - ts)
+                    slope.append(round(b * 1e6, 2))
+                    per_request.append(round((sh["cpu_s"] / sh["completed"] - b * ts) * 1e6, 1))
+        return {
+            "router_cpu_us_per_token_slope": spread(slope) if slope else None,
+            "router_cpu_us_per_request": spread(per_request) if per_request else None,
+            "router_idle_cpu_ms_per_s": spread([round(v * 1e3, 3) for v in idle.values()]) if idle else None,
+            "router_cpu_us_per_token_less_idle": spread(less_idle) if less_idle else None,
         }
 
     metrics = figures("kllm")
@@ -459,8 +535,12 @@ def bench_serving_overhead(model_path: str, backend: str, rounds: int, num_promp
     if baseline_tree:
         metrics["baseline"] = figures("baseline")
         metrics["baseline"]["tree"] = baseline_tree
-        metrics["router_cpu_per_token_vs_baseline"] = round(
-            metrics["router_cpu_us_per_token"] / max(1e-9, metrics["baseline"]["router_cpu_us_per_token"]), 3)
+        if metrics["router_cpu_us_per_token"] is not None and metrics["baseline"]["router_cpu_us_per_token"]:
+            metrics["router_cpu_all_per_token_vs_baseline"] = round(
+                metrics["router_cpu_us_per_token"] / metrics["baseline"]["router_cpu_us_per_token"], 3)
+        ours, theirs = metrics["router_cpu_us_per_token_slope"], metrics["baseline"]["router_cpu_us_per_token_slope"]
+        if ours and theirs and theirs["median"] > 0:
+            metrics["router_cpu_per_token_vs_baseline"] = round(ours["median"] / theirs["median"], 3)
     targets_met = (metrics["added_median_ttft_ms"]["median"] < 1.0
                    and metrics["added_median_tpot_ms"]["median"] < 0.05)
     setup = {"backend": backend, "rounds": rounds, "num_prompts": num_prompts, "input_len": input_len,
@@ -468,20 +548,34 @@ def bench_serving_overhead(model_path: str, backend: str, rounds: int, num_promp
              "targets": "added median TTFT < 1 ms, added per output token < 0.05 ms", "targets_met": targets_met}
     if backend == "fake":
         setup.update(fake_ttft_s=ttft_s, fake_tpot_s=tpot_s)
+    if short:
+        setup.update(router_cpu_short_output_len=short)
+    if idle_s > 0:
+        setup.update(router_idle_s=idle_s)
     if pin:
         setup.update(server_cpus=pin[0], router_and_client_cpus=pin[1], server_torch_threads=1)
         backend = "sglang-pinned"
     if gpu:
         backend = "sglang-gpu"
     load_after = os.getloadavg()
+
+    def cpu_text(m: dict[str, Any]) -> str:
+        def med_of(key: str, fmt: str) -> str:
+            v = m.get(key)
+            return "n/a" if v is None else format(v["median"], fmt)
+        return (f"{med_of('router_cpu_us_per_token_slope', '.1f')} us/token (slope {short}->{output_len} tokens), "
+                f"{med_of('router_cpu_us_per_request', '.0f')} us/request, idle "
+                f"{med_of('router_idle_cpu_ms_per_s', '.2f')} ms/s, all CPU / tokens {m['router_cpu_us_per_token']} "
+                f"us/token")
+
     print(f"sglang.bench_serving via kllm-router vs direct, {backend} backend, {rounds} interleaved rounds: "
           f"added median TTFT {metrics['added_median_ttft_ms']['median']:.3f} ms "
           f"[{metrics['added_median_ttft_ms']['min']:.3f}, {metrics['added_median_ttft_ms']['max']:.3f}], "
           f"added median TPOT {metrics['added_median_tpot_ms']['median']:.4f} ms "
           f"[{metrics['added_median_tpot_ms']['min']:.4f}, {metrics['added_median_tpot_ms']['max']:.4f}], "
           f"per token from E2E {metrics['added_per_token_ms_from_e2e']['median']:.4f} ms, router CPU "
-          f"{metrics['router_cpu_us_per_token']} us/token"
-          + (f" (baseline {metrics['baseline']['router_cpu_us_per_token']} us/token, added TTFT "
+          f"{cpu_text(metrics)}"
+          + (f" (baseline: {cpu_text(metrics['baseline'])}, added TTFT "
              f"{metrics['baseline']['added_median_ttft_ms']['median']:.3f} ms, TPOT "
              f"{metrics['baseline']['added_median_tpot_ms']['median']:.4f} ms)" if baseline_tree else "")
           + f"; targets met: {targets_met}; load average "
@@ -517,11 +611,18 @@ def bench_serving_overhead(model_path: str, backend: str, rounds: int, num_promp
     write_record("bigpd_router", name, " && ".join(commands[k] for k in sorted(commands)), parts,
                  root=Path(out_root) if out_root else None, machine=machine,
                  commit=(os.environ.get("KLLM_COMMIT") if from_log else None) or git_commit(),
-                 commands=commands, setup=setups, per_round={**(old.get("per_round") or {}), backend: rows},
+                 commands=commands, setup=setups,
+                 per_round={**{k: v for k, v in (old.get("per_round") or {}).items() if k != f"{backend}:router_cpu"},
+                            backend: rows, **({f"{backend}:router_cpu": cpu_rows} if cpu_rows else {})},
                  notes="added = router minus direct, per round (interleaved, same prompts), median and spread over "
                        "rounds; metrics per backend: fake (paced tokens, isolates the router), sglang (real "
                        "server, tiny model, kllm_cpu platform), sglang-pinned (server and router on separate "
-                       "cores), sglang-gpu (tiny model served on the GPU, kllm_cuda, CUDA graphs)")
+                       "cores), sglang-gpu (tiny model served on the GPU, kllm_cuda, CUDA graphs). Router CPU: "
+                       "router_cpu_us_per_token_slope is the cost per relayed token (slope of CPU per request "
+                       "between the short and the full output length, per round), router_cpu_us_per_request the "
+                       "intercept, router_idle_cpu_ms_per_s the background with no traffic; router_cpu_us_per_token "
+                       "is all of the router's CPU during its rounds over the tokens relayed (it counts the "
+                       "per-request and background CPU as tokens'; the figure reported before the slope)")
 
 
 if __name__ == "__main__":
