@@ -109,8 +109,9 @@ def main() -> None:
     ap.add_argument("--bs-max-s", type=float, default=0.0, help="start no round after this many seconds (0: no bound)")
     ap.add_argument("--bs-pin", metavar="SERVER_CPUS:ROUTER_CPUS", default="",
                     help="real backend only: run the server on SERVER_CPUS and the router and the client on "
-                         "ROUTER_CPUS (taskset lists, e.g. 1:0), one torch thread in the server, so that the "
-                         "router does not take CPU from the server; recorded as backend sglang-pinned")
+                         "ROUTER_CPUS (taskset lists, e.g. 1:0; auto: the machine's physical cores in two halves), "
+                         "one torch thread in the server, so that the router does not take CPU from the server; "
+                         "recorded as backend sglang-pinned (with --bs-gpu: sglang-gpu-pinned)")
     ap.add_argument("--bs-gpu", action="store_true",
                     help="real backend only: the server on the GPU (kllm_cuda platform, Triton attention, CUDA "
                          "graphs); recorded as backend sglang-gpu in gpu_overhead_bench_serving.json")
@@ -121,8 +122,8 @@ def main() -> None:
                     help="record the rounds that a run cut by its time limit printed to LOG (with the same "
                          "--bs-* options as that run) instead of measuring")
     args = ap.parse_args()
-    if args.bs_gpu and (args.bs_backend != "sglang" or args.bs_pin):
-        ap.error("--bs-gpu needs --bs-backend sglang and no --bs-pin")
+    if args.bs_gpu and args.bs_backend != "sglang":
+        ap.error("--bs-gpu needs --bs-backend sglang")
     if args.bs_pin and (args.bs_backend != "sglang" or not parse_pin(args.bs_pin)):
         ap.error("--bs-pin needs --bs-backend sglang and the form SERVER_CPUS:ROUTER_CPUS, e.g. 1:0")
     if args.bench_serving:
@@ -287,9 +288,36 @@ def rows_from_log(path: str) -> tuple[list[dict[str, Any]], int, str | None]:
     return [r for r in rows if r["round"] < rounds], rounds, device
 
 
+def split_by_core(topology: dict[int, tuple[int, int]]) -> tuple[str, str] | None:
+    """CPUs -> (package, core): the first half of the physical cores (every hyperthread of each) for
+    the server, the rest for the router and client, so they share no core; None under two cores."""
+    cores = sorted(set(topology.values()))
+    if len(cores) < 2:
+        return None
+    mine = set(cores[:len(cores) // 2])
+    server = sorted(c for c, k in topology.items() if k in mine)
+    router = sorted(c for c, k in topology.items() if k not in mine)
+    return ",".join(map(str, server)), ",".join(map(str, router))
+
+
+def machine_topology() -> dict[int, tuple[int, int]]:
+    """This machine's usable CPUs and their (package, core) from sysfs."""
+    out = {}
+    for cpu in sorted(os.sched_getaffinity(0)):
+        base = f"/sys/devices/system/cpu/cpu{cpu}/topology"
+        try:
+            with open(f"{base}/physical_package_id") as pk, open(f"{base}/core_id") as co:
+                out[cpu] = (int(pk.read()), int(co.read()))
+        except OSError:
+            out[cpu] = (0, cpu)  # unknown: every CPU its own core
+    return out
+
+
 def parse_pin(spec: str) -> tuple[str, str] | None:
-    """"1:0" -> ("1", "0"): the server's CPU list and the router's (taskset -c syntax); None if absent
-    or malformed."""
+    """"1:0" -> ("1", "0"): the server's CPU list and the router's (taskset -c syntax); "auto": this
+    machine's physical cores split in two halves (`split_by_core`); None if absent or malformed."""
+    if spec == "auto":
+        return split_by_core(machine_topology())
     server, sep, router = spec.partition(":")
     ok = sep and all(part and all(c.isdigit() or c in ",-" for c in part) for part in (server, router))
     return (server, router) if ok else None
@@ -389,6 +417,8 @@ def bench_serving_overhead(model_path: str, backend: str, rounds: int, num_promp
             extra: list[str] = []
             if gpu:
                 env = {"SGLANG_PLATFORM": "kllm_cuda", "KLLM_CUDA_GRAPHS": "1"}
+                if pin:  # the server's processes keep to their cores; torch's threads to one each
+                    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
                 extra = ["--sampling-backend", "pytorch", "--attention-backend", "triton", "--mem-fraction-static", "0.3"]
             server = SGLangServer(model_path, max_total_tokens=8192, startup_timeout_s=480.0, env=env,
                                   extra_args=extra, cpu_platform=not gpu)
@@ -556,7 +586,7 @@ def bench_serving_overhead(model_path: str, backend: str, rounds: int, num_promp
         setup.update(server_cpus=pin[0], router_and_client_cpus=pin[1], server_torch_threads=1)
         backend = "sglang-pinned"
     if gpu:
-        backend = "sglang-gpu"
+        backend = "sglang-gpu-pinned" if pin else "sglang-gpu"
     load_after = os.getloadavg()
 
     def cpu_text(m: dict[str, Any]) -> str:
@@ -617,7 +647,8 @@ def bench_serving_overhead(model_path: str, backend: str, rounds: int, num_promp
                  notes="added = router minus direct, per round (interleaved, same prompts), median and spread over "
                        "rounds; metrics per backend: fake (paced tokens, isolates the router), sglang (real "
                        "server, tiny model, kllm_cpu platform), sglang-pinned (server and router on separate "
-                       "cores), sglang-gpu (tiny model served on the GPU, kllm_cuda, CUDA graphs). Router CPU: "
+                       "cores), sglang-gpu (tiny model served on the GPU, kllm_cuda, CUDA graphs; -pinned: server and router "
+                       "on separate physical cores). Router CPU: "
                        "router_cpu_us_per_token_slope is the cost per relayed token (slope of CPU per request "
                        "between the short and the full output length, per round), router_cpu_us_per_request the "
                        "intercept, router_idle_cpu_ms_per_s the background with no traffic; router_cpu_us_per_token "

@@ -15,7 +15,8 @@
 #          (e.g. KLLM_STEP_TIMEOUT_ROUTER_S) or else $KLLM_STEP_TIMEOUT_S (default 600)
 #   router_bs  benchmarks/bigpd_router/bench_overhead.py --bench-serving: sglang.bench_serving direct vs
 #          through kllm-router, the fake backend and the tiny model on the GPU (--bs-gpu); arguments of both
-#          in $ROUTER_BS_ARGS; summary gpu_overhead_bench_serving.json
+#          in $ROUTER_BS_ARGS, of the GPU one only in $ROUTER_BS_GPU_ARGS (e.g. --bs-pin auto); summary
+#          gpu_overhead_bench_serving.json
 #   kv_tiers  benchmarks/gpu/kv_tiers_gpu.py (bench_tiers.py on the GPU; its arguments in $KV_ARGS;
 #          summary under $OUT/benchmarks/results/kv_tiers/)
 #   time_to_serve  benchmarks/gpu/time_to_serve_gpu.py (bench_time_to_serve.py on the GPU; its arguments
@@ -85,7 +86,8 @@ for suite in "$@"; do
       { timeout --kill-after=20 "$lim" $PY benchmarks/bigpd_router/bench_overhead.py --bench-serving "$tiny" \
           --bs-backend fake --bs-out-root "$OUT" --bs-max-s $((lim / 3)) ${ROUTER_BS_ARGS:-}
         timeout --kill-after=20 "$lim" $PY benchmarks/bigpd_router/bench_overhead.py --bench-serving "$tiny" \
-          --bs-backend sglang --bs-gpu --bs-out-root "$OUT" --bs-max-s $((lim / 2)) ${ROUTER_BS_ARGS:-}; } \
+          --bs-backend sglang --bs-gpu --bs-out-root "$OUT" --bs-max-s $((lim / 2)) ${ROUTER_BS_ARGS:-} \
+          ${ROUTER_BS_GPU_ARGS:-}; } \
         > "$OUT/router_bs.log" 2>&1; r=$?
       device_cleanup ;;
     kv_tiers)

@@ -31,3 +31,16 @@ def test_rows_after_the_last_summary_complete_rounds_only(
     log.write_text(_row(0, "direct") + "\n" + _row(0, "kllm") + "\n")
     with pytest.raises(SystemExit, match="fewer than two complete rounds"):
         bo.rows_from_log(str(log))
+
+
+def test_auto_pin_splits_physical_cores_so_server_and_router_share_none(
+        bench_module: Callable[[str, str], ModuleType]) -> None:
+    bo = bench_module("bigpd_router", "bench_overhead")
+    # 16 CPUs, hyperthread siblings n and n+8 (one layout clouds use), two packages of 4 cores
+    topo = {cpu: (cpu % 8 // 4, cpu % 4) for cpu in range(16)}
+    server, router = bo.split_by_core(topo)
+    s, r = bo.cpu_list(server), bo.cpu_list(router)
+    assert s | r == set(range(16)) and not s & r and len(s) == len(r) == 8
+    assert not {topo[c] for c in s} & {topo[c] for c in r}  # no physical core on both sides
+    assert bo.split_by_core({0: (0, 0), 1: (0, 0)}) is None  # one core: nothing to split
+    assert bo.parse_pin("1:0") == ("1", "0") and bo.parse_pin("x:0") is None
