@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 from kllm_plugins.plugins.bigpd_router.core.prefix_tree import Prompt
@@ -67,6 +68,12 @@ def _positive_int(body: dict[str, Any], key: str) -> int | None:
     return v
 
 
+def _all_ints(xs: list[Any]) -> bool:
+    """Every item an int (bools too, as isinstance says), looped in C: a prompt of token ids is
+    checked once per request, thousands of ids long."""
+    return all(map(isinstance, xs, repeat(int)))
+
+
 def parse(endpoint: str, raw: bytes) -> RequestShape:
     """endpoint is one of "generate", "completions", "chat"."""
     try:
@@ -86,7 +93,7 @@ def parse(endpoint: str, raw: bytes) -> RequestShape:
         p = body.get("prompt")
         if isinstance(p, str):
             prompt = p
-        elif isinstance(p, list) and p and all(isinstance(t, int) for t in p):
+        elif isinstance(p, list) and p and _all_ints(p):
             prompt = p
         elif isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
             prompt = p[0]
@@ -97,7 +104,7 @@ def parse(endpoint: str, raw: bytes) -> RequestShape:
         text, ids = body.get("text"), body.get("input_ids")
         if isinstance(text, str):
             prompt = text
-        elif isinstance(ids, list) and ids and all(isinstance(t, int) for t in ids):
+        elif isinstance(ids, list) and ids and _all_ints(ids):
             prompt = ids
         elif isinstance(text, list) or (isinstance(ids, list) and ids and isinstance(ids[0], list)):
             raise BadRequest("batched 'text'/'input_ids' are not supported by the router; send one request each")

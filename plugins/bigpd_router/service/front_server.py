@@ -101,11 +101,14 @@ class Exchange:
     def reply_json(self, status: int, obj: Any, headers: Iterable[tuple[str, str]] = ()) -> None:
         self.reply(status, dumps(obj), "application/json", headers)
 
-    def start_stream(self, status: int, headers: Iterable[tuple[str, str]], first: bytes = b"") -> None:
+    def start_stream(self, status: int, headers: Iterable[tuple[str, str]], first: bytes = b"",
+                     framed: bytes = b"") -> None:
+        """The response head of a chunked stream, with its first piece in the same write: `first`
+        (payload), or `framed` (already whole chunks)."""
         self.status = status
         self.streaming = True
         head = response_head(status, headers, None, self.keep_alive)
-        _write(self.writer, head + chunk(first) if first else head)
+        _write(self.writer, head + (chunk(first) if first else framed))
 
     def push(self, data: bytes) -> bool:
         """One piece of a stream, written now (callable from a transport callback); True when the

@@ -386,17 +386,19 @@ class Proxy:
             pticket.first_token()
         r.ttft_actual[Role.PREFILL if prefill else Role.PLAIN].add(ttft)
         r.metrics.ttft.observe(ttft)
-        ex.start_stream(200, (("Content-Type", resp.headers.get("content-type", "text/event-stream")),
-                              ("Cache-Control", "no-cache"), ("X-Request-Id", rid),
-                              ("X-Kllm-Instance", ticket.inst.url)))
+        head = (("Content-Type", resp.headers.get("content-type", "text/event-stream")),
+                ("Cache-Control", "no-cache"), ("X-Request-Id", rid), ("X-Kllm-Instance", ticket.inst.url))
         status, ending = 200, b""
         # the last two pieces, still chunk-framed: the final event (usage) may straddle them
         tail = [b"", b""]
         # what the sink calls, looked up once: it runs once per token, cold (the process slept in
         # between), where every call and lookup shows; this is Exchange.push_framed, inlined
         transport = ex.writer.transport
-        write, buffered, closing = transport.write, transport.get_write_buffer_size, transport.is_closing
+        buffered, closing = transport.get_write_buffer_size, transport.is_closing
         monotonic = time.monotonic
+
+        def write(wire: bytes) -> None:  # the first piece: with the response head, in one write
+            ex.start_stream(200, head, framed=wire)
 
         def sink(wire: bytes) -> bool:
             """Called for every piece (whole chunks of the chunked coding, relayed to the client as
@@ -419,6 +421,7 @@ class Proxy:
         try:
             if sink(chunk(first)):
                 await ex.drain()
+            write = transport.write  # the sink's next pieces
             try:
                 await resp.relay(sink, ex.drain, framed=True)
             except SinkError as exc:

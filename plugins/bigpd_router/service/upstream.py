@@ -71,7 +71,7 @@ def parse_loads(payload: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-@dataclass
+@dataclass(slots=True)
 class Ticket:
     """Book-keeping of one request on one instance; every step is idempotent."""
 

@@ -51,6 +51,8 @@ class _Relay(asyncio.Protocol):
     Stands in for the connection's StreamReaderProtocol, hands eof and loss on to it (so the
     connection's state stays right for the pool) and is swapped back out when the body ends."""
 
+    __slots__ = ("resp", "sink", "framed", "dec", "transport", "orig", "waiter", "over", "error")
+
     def __init__(self, resp: UpstreamResponse, sink: Callable[[bytes], bool], transport: asyncio.Transport,
                  orig: asyncio.BaseProtocol, framed: bool = False) -> None:
         self.resp = resp
