@@ -126,11 +126,14 @@ def main() -> None:
         ap.error("--bs-gpu needs --bs-backend sglang")
     if args.bs_pin and (args.bs_backend != "sglang" or not parse_pin(args.bs_pin)):
         ap.error("--bs-pin needs --bs-backend sglang and the form SERVER_CPUS:ROUTER_CPUS, e.g. 1:0")
+    pin = parse_pin(args.bs_pin)
+    if pin and args.bs_pin == "auto" and args.bs_from_log:  # the split was the measuring machine's, not this one's
+        pin = ("auto: half of the physical cores", "auto: the other half")
     if args.bench_serving:
         return bench_serving_overhead(args.bench_serving, args.bs_backend, args.rounds, args.bs_prompts,
                                       args.bs_input_len, args.bs_output_len, args.bs_concurrency,
                                       args.bs_fake_ttft_s, args.bs_fake_tpot_s, not args.no_record,
-                                      args.bs_baseline_tree, args.bs_max_s, parse_pin(args.bs_pin),
+                                      args.bs_baseline_tree, args.bs_max_s, pin,
                                       args.bs_gpu, args.bs_out_root, args.bs_from_log,
                                       args.bs_short_output_len, args.bs_idle_s)
     load_before = os.getloadavg()
@@ -616,7 +619,7 @@ def bench_serving_overhead(model_path: str, backend: str, rounds: int, num_promp
 
     from kllm_plugins.bench.record import git_commit, load_summary, result_path
 
-    name = "gpu_overhead_bench_serving" if gpu or out_root else "overhead"
+    name = "gpu_overhead_bench_serving" if gpu or out_root or from_log else "overhead"  # a log is a device run's
     path = result_path("bigpd_router", name, Path(out_root) if out_root else None)
     old = load_summary(path) if path.exists() else {}
     parts = {k: v for k, v in (old.get("metrics") or {}).items() if k != backend}
