@@ -31,7 +31,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_overhead import FAKE  # noqa: E402
+from bench_overhead import FAKE, cpu_ns as run_ns  # noqa: E402
 from loadgen import free_port, py, spawn, stop, wait_http  # noqa: E402
 
 BOOT = """
@@ -55,18 +55,6 @@ def cpu_seconds(pid: int) -> tuple[float, float]:
         fields = fh.read().rsplit(")", 1)[1].split()
     tck = os.sysconf("SC_CLK_TCK")
     return int(fields[11]) / tck, int(fields[12]) / tck
-
-
-def run_ns(pid: int) -> int:
-    """CPU time of all the process's threads in ns (scheduler accounting: finer than the 10 ms ticks)."""
-    total = 0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat", encoding="ascii") as fh:
-                total += int(fh.read().split()[0])
-        except OSError:  # a thread that just ended
-            pass
-    return total
 
 
 def cpu_mark(pid: int) -> tuple[int, float, float]:
