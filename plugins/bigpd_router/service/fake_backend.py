@@ -51,6 +51,9 @@ class FakeBackend:
     """What /model_info reports as model_path (a folder with a config.json gives the vocabulary)."""
     context_len: int = 0
     """max_model_len in /v1/models (0: not reported)."""
+    stamp: bool = False
+    """Each stream event carries `sent_ns`, time.monotonic_ns() as it is written (CLOCK_MONOTONIC is
+    one clock for every process of a machine): a client beside it times each token's delivery."""
     dead: bool = False
     flushes: int = 0
     _cache: set[str] = field(default_factory=set)
@@ -182,7 +185,10 @@ class FakeBackend:
                     assert request.transport is not None
                     request.transport.close()
                     return resp
-                await resp.write(b"data: " + json.dumps(self._chunk(request.path, i, n, meta)).encode() + b"\n\n")
+                event = self._chunk(request.path, i, n, meta)
+                if self.stamp:
+                    event["sent_ns"] = time.monotonic_ns()
+                await resp.write(b"data: " + json.dumps(event).encode() + b"\n\n")
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
             return resp
@@ -241,11 +247,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model-info-path", default="", help="model_path reported by /model_info")
     ap.add_argument("--context-len", type=int, default=0, help="max_model_len reported by /v1/models")
     ap.add_argument("--skip-tokenizer-init", action="store_true", help="refuse text prompts, as SGLang does")
+    ap.add_argument("--stamp", action="store_true", help="stream events carry sent_ns (time.monotonic_ns())")
     args, _ = ap.parse_known_args(argv)  # SGLang flags from an actuator are accepted and ignored
     fb = FakeBackend(ttft_s=args.ttft_s, tpot_s=args.tpot_s, role=args.disaggregation_mode,
                      bootstrap_port=args.disaggregation_bootstrap_port, record=False, crash_on=args.crash_on,
                      model_path=args.model_info_path, context_len=args.context_len,
-                     skip_tokenizer_init=args.skip_tokenizer_init)
+                     skip_tokenizer_init=args.skip_tokenizer_init, stamp=args.stamp)
     web.run_app(fb.app(), host=args.host, port=args.port, print=None, access_log=None)
 
 
