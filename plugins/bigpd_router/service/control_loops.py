@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import aiohttp
 
 from kllm_plugins.plugins.bigpd_router.core.registry import Health, Instance, Role
-from kllm_plugins.plugins.bigpd_router.service.http_wire import BadHttp
+from kllm_plugins.plugins.bigpd_router.service.proxy import UPSTREAM_ERRORS
 from kllm_plugins.plugins.bigpd_router.service.ticks import tick
 from kllm_plugins.plugins.bigpd_router.service.upstream import parse_loads, probe
 
@@ -27,7 +27,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kllm.bigpd_router.loops")
 NET_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
-PROBE_ERRORS = (OSError, TimeoutError, BadHttp)  # of `Proxy.get`; ConnectionError is an OSError
 
 
 class ControlLoops:
@@ -67,13 +66,13 @@ class ControlLoops:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _check(self, inst: Instance, timeout: aiohttp.ClientTimeout) -> None:
+    async def _check(self, inst: Instance) -> None:
         session = self.r.session
         assert session is not None
         try:  # a plain GET over pooled connections: far cheaper than an aiohttp request
-            status, _ = await self.r.proxy.get(inst.url, "/health", timeout.total or 5.0)
+            status, _ = await self.r.proxy.get(inst.url, "/health", self._check_timeout_s())
             ok = status == 200
-        except PROBE_ERRORS:
+        except UPSTREAM_ERRORS:  # TimeoutError included (an OSError)
             ok = False
         if ok and (inst.health is Health.STARTING or (inst.role is Role.PREFILL and inst.bootstrap_port is None)):
             try:
@@ -88,20 +87,24 @@ class ControlLoops:
                 ok = False
         self.r.registry.mark_check(inst.url, ok)
 
-    async def _admit(self, inst: Instance, timeout: aiohttp.ClientTimeout) -> None:
+    def _check_timeout_s(self) -> float:
+        # generous on purpose: a busy instance answers /health late, and a false "down" costs more
+        return max(5.0, self.r.cfg.health_interval_s)
+
+    async def _admit(self, inst: Instance) -> None:
         """First check of an instance the controller just added. A promoted standby passed SGLang's
         /health (a generated token) when it became ready and its process is running: the
         /server_info probe (capacity, bootstrap port) is enough, which spares the >= 1 s that
         SGLang's /health takes (it polls its own probe once a second). Others get the full check."""
         how = getattr(self.r.actuator, "choices", {}).get(inst.url)
         if getattr(how, "kind", None) != "promote":
-            return await self._check(inst, timeout)
+            return await self._check(inst)
         session = self.r.session
         assert session is not None
         try:
             info = await probe(session, inst.url)
         except ConnectionError:
-            return await self._check(inst, timeout)
+            return await self._check(inst)
         inst.capacity_tokens = info["capacity_tokens"] or inst.capacity_tokens
         if inst.role is Role.PREFILL:
             inst.bootstrap_port = inst.bootstrap_port or info["bootstrap_port"]
@@ -112,10 +115,8 @@ class ControlLoops:
 
     async def health_loop(self) -> None:
         r = self.r
-        # generous on purpose: a busy instance answers /health late, and a false "down" costs more
-        timeout = aiohttp.ClientTimeout(total=max(5.0, r.cfg.health_interval_s))
         while True:
-            await asyncio.gather(*(self._check(i, timeout) for i in r.registry), return_exceptions=True)
+            await asyncio.gather(*(self._check(i) for i in r.registry), return_exceptions=True)
             r.update_gauges()
             r.proxy.pool.prune()
             r.proxy.probes.prune()
@@ -182,7 +183,6 @@ class ControlLoops:
         r = self.r
         assert r.controller is not None
         discover = getattr(r.actuator, "discover", None)
-        check_timeout = aiohttp.ClientTimeout(total=max(5.0, r.cfg.health_interval_s))
         # one period before the first decision: instances given at start-up are registered after the
         # loops start, and an empty pool would otherwise look "below minimum" and start servers
         await asyncio.sleep(r.cfg.scale_interval_s)
@@ -199,7 +199,7 @@ class ControlLoops:
                 # an instance added by this step may be serving already (a promoted standby): check
                 # it now rather than at the next health round, so it takes traffic at once
                 joined = [i for i in r.registry if i.url not in before and i.health is Health.STARTING]
-                await asyncio.gather(*(self._admit(i, check_timeout) for i in joined), return_exceptions=True)
+                await asyncio.gather(*(self._admit(i) for i in joined), return_exceptions=True)
                 for d in decisions:
                     if d.action != "hold":
                         r.metrics.scale_actions.labels(d.role.value, d.action).inc()

@@ -101,33 +101,13 @@ class Exchange:
     def reply_json(self, status: int, obj: Any, headers: Iterable[tuple[str, str]] = ()) -> None:
         self.reply(status, dumps(obj), "application/json", headers)
 
-    def start_stream(self, status: int, headers: Iterable[tuple[str, str]], first: bytes = b"",
-                     framed: bytes = b"") -> None:
-        """The response head of a chunked stream, with its first piece in the same write: `first`
-        (payload), or `framed` (already whole chunks)."""
+    def start_stream(self, status: int, headers: Iterable[tuple[str, str]], framed: bytes = b"") -> None:
+        """The response head of a chunked stream, with its first piece (`framed`: whole chunks of the
+        chunked coding) in the same write. The stream's next pieces go to the transport as they
+        are (the proxy's sink); `end_stream` ends it."""
         self.status = status
         self.streaming = True
-        head = response_head(status, headers, None, self.keep_alive)
-        _write(self.writer, head + (chunk(first) if first else framed))
-
-    def push(self, data: bytes) -> bool:
-        """One piece of a stream, written now (callable from a transport callback); True when the
-        client reads slower than the stream comes (then `await drain()`). Raises ConnectionResetError
-        when the client is seen gone."""
-        w = self.writer
-        _write(w, chunk(data))
-        t = w.transport
-        return t.get_write_buffer_size() > 65536 or t.is_closing()
-
-    def push_framed(self, wire: bytes) -> bool:
-        """Like `push`, for bytes already in the chunked coding (whole chunks, never the last one),
-        written as they are."""
-        t = self.writer.transport
-        try:
-            t.write(wire)
-        except RuntimeError:  # uvloop: the transport is closed
-            raise ConnectionResetError("client connection is closed") from None
-        return t.get_write_buffer_size() > 65536 or t.is_closing()
+        _write(self.writer, response_head(status, headers, None, self.keep_alive) + framed)
 
     async def drain(self) -> None:
         await _drain(self.writer)

@@ -204,11 +204,7 @@ class ChunkedDecoder:
                     if n - pos > 1024:
                         raise BadHttp("chunk size line too long")
                     break
-                size_txt = buf[pos:end].split(b";", 1)[0].strip()
-                try:
-                    self._left = int(size_txt, 16)
-                except ValueError:
-                    raise BadHttp(f"bad chunk size {size_txt[:20]!r}") from None
+                self._left = self._size(buf[pos:end])
                 pos = end + 2
                 self._state = 1 if self._left else 3
             elif self._state == 1:

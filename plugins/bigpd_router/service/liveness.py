@@ -17,17 +17,14 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-import aiohttp
-
 from kllm_plugins.plugins.bigpd_router.core.registry import Instance
-from kllm_plugins.plugins.bigpd_router.service.http_wire import BadHttp
+from kllm_plugins.plugins.bigpd_router.service.proxy import UPSTREAM_ERRORS
 from kllm_plugins.plugins.bigpd_router.service.ticks import tick
 
 if TYPE_CHECKING:
     from kllm_plugins.plugins.bigpd_router.service.router import Router
 
 log = logging.getLogger("kllm.bigpd_router.liveness")
-PROBE_ERRORS = (OSError, TimeoutError, BadHttp)  # ConnectionError is an OSError
 
 
 class Liveness:
@@ -35,11 +32,11 @@ class Liveness:
         self.r = router
         self.misses: dict[str, int] = {}
 
-    async def _probe(self, inst: Instance, timeout: aiohttp.ClientTimeout) -> None:
+    async def _probe(self, inst: Instance) -> None:
         try:
-            status, _ = await self.r.proxy.get(inst.url, "/model_info", timeout.total or self.r.cfg.liveness_timeout_s)
+            status, _ = await self.r.proxy.get(inst.url, "/model_info", self.r.cfg.liveness_timeout_s)
             ok = status < 500
-        except PROBE_ERRORS:
+        except UPSTREAM_ERRORS:  # TimeoutError included (an OSError)
             ok = False
         if ok:
             self.misses.pop(inst.url, None)
@@ -60,8 +57,7 @@ class Liveness:
 
     async def run(self) -> None:
         cfg = self.r.cfg
-        timeout = aiohttp.ClientTimeout(total=cfg.liveness_timeout_s)
         while True:
             insts = [i for i in self.r.registry if i.routable]
-            await asyncio.gather(*(self._probe(i, timeout) for i in insts), return_exceptions=True)
+            await asyncio.gather(*(self._probe(i) for i in insts), return_exceptions=True)
             await tick(cfg.liveness_interval_s)

@@ -392,7 +392,7 @@ class Proxy:
         # the last two pieces, still chunk-framed: the final event (usage) may straddle them
         tail = [b"", b""]
         # what the sink calls, looked up once: it runs once per token, cold (the process slept in
-        # between), where every call and lookup shows; this is Exchange.push_framed, inlined
+        # between), where every call and lookup shows; Exchange.push for framed bytes, inlined
         transport = ex.writer.transport
         buffered, closing = transport.get_write_buffer_size, transport.is_closing
         monotonic = time.monotonic
