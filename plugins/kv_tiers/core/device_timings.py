@@ -21,8 +21,8 @@ class TimingEvent(Protocol):
 
 
 class PendingTimings:
-    """Copies in flight with their events; `ready()` returns the completed ones as (seconds,
-    tokens), oldest first. At most `limit` pairs wait: beyond that the oldest is dropped (and
+    """Copies in flight with their events and what each moved (any value, e.g. tokens and bytes);
+    `ready()` returns the completed ones as (seconds, that value), oldest first. At most `limit` pairs wait: beyond that the oldest is dropped (and
     counted), so a stream that never completes cannot grow it."""
 
     def __init__(self, limit: int = 256) -> None:
@@ -30,21 +30,21 @@ class PendingTimings:
             raise ValueError(f"limit must be at least 1, got {limit}")
         self.limit = limit
         self.dropped = 0
-        self._pending: deque[tuple[TimingEvent, TimingEvent, int]] = deque()
+        self._pending: deque[tuple[TimingEvent, TimingEvent, Any]] = deque()
 
-    def add(self, start: TimingEvent, end: TimingEvent, tokens: int) -> None:
+    def add(self, start: TimingEvent, end: TimingEvent, moved: Any) -> None:
         if len(self._pending) >= self.limit:
             self._pending.popleft()
             self.dropped += 1
-        self._pending.append((start, end, tokens))
+        self._pending.append((start, end, moved))
 
-    def ready(self) -> list[tuple[float, int]]:
+    def ready(self) -> list[tuple[float, Any]]:
         """The pairs whose end has completed, in issue order (a stream completes in order, so the
         first pending one still running stops the scan)."""
-        out: list[tuple[float, int]] = []
+        out: list[tuple[float, Any]] = []
         while self._pending and self._pending[0][1].query():
-            start, end, tokens = self._pending.popleft()
-            out.append((start.elapsed_time(end) / 1e3, tokens))
+            start, end, moved = self._pending.popleft()
+            out.append((start.elapsed_time(end) / 1e3, moved))
         return out
 
     def __len__(self) -> int:

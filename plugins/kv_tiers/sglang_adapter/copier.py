@@ -105,7 +105,7 @@ def around_backup_from_device_all_layer(original: Callable[..., Any], self: Any,
     else:
         result = backup(self, host_indices, device_indices, chunk)
     if t is not None:
-        _note_backup(t, int(host_indices.numel()), time.perf_counter() - t0, start, _token_bytes(self))
+        _note_backup(t, int(host_indices.numel()), time.perf_counter() - t0, start, self)
     return result
 
 
@@ -124,19 +124,20 @@ def _cuda_event() -> Any:
     return ev
 
 
-def _note_backup(t: Any, tokens: int, seconds: float, start: Any, token_bytes: int = 0) -> None:
+def _note_backup(t: Any, tokens: int, seconds: float, start: Any, host_pool: Any = None) -> None:
     """L1->L2 write-through volume and time (on the scheduler thread): part of the per-request profile.
     `l2_backup` is the wall time of the call, which issues the copies without waiting for them; on a
     GPU (`start` given), `l2_backup_device` is the device time from the call's start to its copies'
     end, read from CUDA events once they have completed (at a later call: nothing waits for the device);
-    with `l2_backup_device_bytes` (tokens times the pool's bytes per token) they give the copy bandwidth."""
+    with `l2_backup_device_bytes` (tokens times the pool's bytes per token, taken when the copy is
+    issued) they give the copy bandwidth."""
     if start is not None:
-        _backup_timings.add(start, _cuda_event(), tokens)
+        _backup_timings.add(start, _cuda_event(), (tokens, tokens * _token_bytes(host_pool)))
     t.count("l2_backup_tokens", tokens)
     t.spent("l2_backup", seconds)
-    for device_s, n in _backup_timings.ready():
+    for device_s, (n, nbytes) in _backup_timings.ready():
         t.count("l2_backup_device_tokens", n)
-        t.count("l2_backup_device_bytes", n * token_bytes)
+        t.count("l2_backup_device_bytes", nbytes)
         t.spent("l2_backup_device", device_s)
 
 
