@@ -54,11 +54,17 @@ def router_cmd(name: str, port: int, workers: list[str]) -> list[str] | None:
     return None
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU of a process and its threads (Linux /proc)."""
+def cpu_user_system(pid: int) -> tuple[float, float]:
+    """User and system CPU seconds of a process and its threads (Linux /proc, 10 ms ticks)."""
     with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
         fields = fh.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tck = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tck, int(fields[12]) / tck
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process and its threads (Linux /proc)."""
+    return sum(cpu_user_system(pid))
 
 
 def cpu_ns(pid: int) -> int:
@@ -266,20 +272,23 @@ def _datasets_for_bench_serving() -> None:
         sys.modules["datasets"].load_dataset = load_dataset  # type: ignore[attr-defined]
 
 
-def rows_from_log(path: str) -> tuple[list[dict[str, Any]], int, str | None]:
+def rows_from_log(path: str) -> tuple[list[dict[str, Any]], int, str | None, list[dict[str, Any]]]:
     """The per-round rows a run printed after the last finished run's summary line in the same log,
-    the number of rounds complete for every target (a cut round is dropped), and the GPU the
-    kllm_cuda platform named in the log, if any."""
+    the number of rounds complete for every target (a cut round is dropped), the GPU the
+    kllm_cuda platform named in the log, if any, and the routers' CPU rows of those rounds."""
     import re
 
     rows: list[dict[str, Any]] = []
+    cpu_rows: list[dict[str, Any]] = []
     device = None
     with open(path, encoding="utf-8") as fh:
         for line in fh:
             if line.startswith("sglang.bench_serving via kllm-router"):
-                rows = []
+                rows, cpu_rows = [], []
             elif line.startswith('{"round"'):
                 rows.append(json.loads(line))
+            elif line.startswith('{"cpu"'):
+                cpu_rows.append(json.loads(line))
             elif m := re.search(r"kllm_cuda platform \(pid \d+\): ([^,]+),", line):
                 device = m.group(1)
     targets = {r["target"] for r in rows}
@@ -288,7 +297,15 @@ def rows_from_log(path: str) -> tuple[list[dict[str, Any]], int, str | None]:
         rounds += 1
     if rounds < 2 or "direct" not in targets:
         raise SystemExit(f"{path}: fewer than two complete rounds after the last summary line")
-    return [r for r in rows if r["round"] < rounds], rounds, device
+    return ([r for r in rows if r["round"] < rounds], rounds, device,
+            [r for r in cpu_rows if r["round"] < rounds])
+
+
+def router_cpu_s(cpu_rows: list[dict[str, Any]], router: str, output_len: int) -> float | None:
+    """The router's CPU seconds over its full-length runs (None where not measured)."""
+    runs = [r["cpu_s"] for r in cpu_rows
+            if r["cpu"] == "run" and r["target"] == router and r["output_len"] == output_len]
+    return sum(runs) if runs else None
 
 
 def split_by_core(topology: dict[int, tuple[int, int]]) -> tuple[str, str] | None:
@@ -397,9 +414,7 @@ def bench_serving_overhead(model_path: str, backend: str, rounds: int, num_promp
     if short >= output_len:
         short = 0
     if from_log:  # a run the step limit cut after its last round: its rows, as printed
-        rows, rounds, log_device = rows_from_log(from_log)
-        cpu_router: dict[str, float | None] = {"kllm": None}  # not measured
-        cpu_rows: list[dict[str, Any]] = []
+        rows, rounds, log_device, cpu_rows = rows_from_log(from_log)
     else:
         tmp = tempfile.mkdtemp(prefix="kllm-bs-")
         cpu_rows = []
@@ -416,14 +431,14 @@ def bench_serving_overhead(model_path: str, backend: str, rounds: int, num_promp
         else:
             from kllm_plugins.testing.sglang_server import SGLangServer
 
-            env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"} if pin else None
+            env: dict[str, str] = {}
+            if pin:  # the server's processes keep to their cores; torch's threads to one each
+                env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
             extra: list[str] = []
             if gpu:
-                env = {"SGLANG_PLATFORM": "kllm_cuda", "KLLM_CUDA_GRAPHS": "1"}
-                if pin:  # the server's processes keep to their cores; torch's threads to one each
-                    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+                env.update(SGLANG_PLATFORM="kllm_cuda", KLLM_CUDA_GRAPHS="1")
                 extra = ["--sampling-backend", "pytorch", "--attention-backend", "triton", "--mem-fraction-static", "0.3"]
-            server = SGLangServer(model_path, max_total_tokens=8192, startup_timeout_s=480.0, env=env,
+            server = SGLangServer(model_path, max_total_tokens=8192, startup_timeout_s=480.0, env=env or None,
                                   extra_args=extra, cpu_platform=not gpu)
             if pin:  # every process and thread of the server inherits the mask
                 server.args[:0] = ["taskset", "-c", pin[0]]
@@ -448,7 +463,6 @@ def bench_serving_overhead(model_path: str, backend: str, rounds: int, num_promp
             procs.append(proc)
             targets.append((name, f"http://127.0.0.1:{rport}", proc.pid))
         rows: list[dict[str, Any]] = []
-        cpu_router = {name: 0.0 for name, _, _ in targets[1:]}
         try:
             for _, url, pid in targets[1:]:
                 wait_http(url + "/health", 60)
@@ -489,8 +503,6 @@ def bench_serving_overhead(model_path: str, backend: str, rounds: int, num_promp
                             print(json.dumps(cpu_rows[-1]), flush=True)
                         if length != output_len:
                             continue  # the short run: the router's CPU only
-                        if pid:
-                            cpu_router[name] += cpu
                         row = {"round": rnd, "target": name, "completed": res["completed"],
                                "output_tokens": res["total_output_tokens"]}
                         row.update({k: round(float(res[k]), 3) for k in BS_KEYS})
@@ -526,7 +538,7 @@ def bench_serving_overhead(model_path: str, backend: str, rounds: int, num_promp
             "ratio_median_ttft": ratio("median_ttft_ms"),
             "ratio_median_tpot": ratio("median_tpot_ms"),
             "ratio_median_e2e": ratio("median_e2e_latency_ms"),
-            "router_cpu_us_per_token": (None if (cpu := cpu_router.get(router)) is None
+            "router_cpu_us_per_token": (None if (cpu := router_cpu_s(cpu_rows, router, output_len)) is None
                                         else round(cpu * 1e6 / max(1, relayed), 1)),
             **cpu_figures(router),
             "failed": sum(num_prompts - r["completed"] for r, _ in pairs),

@@ -25,13 +25,12 @@ import asyncio
 import json
 import os
 import random
-import statistics
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_overhead import FAKE, cpu_ns as run_ns  # noqa: E402
+from bench_overhead import FAKE, cpu_ns, cpu_user_system, med  # noqa: E402
 from loadgen import free_port, py, spawn, stop, wait_http  # noqa: E402
 
 BOOT = """
@@ -49,16 +48,8 @@ else:
 """
 
 
-def cpu_seconds(pid: int) -> tuple[float, float]:
-    """User and system CPU of a process (Linux /proc), seconds."""
-    with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
-        fields = fh.read().rsplit(")", 1)[1].split()
-    tck = os.sysconf("SC_CLK_TCK")
-    return int(fields[11]) / tck, int(fields[12]) / tck
-
-
 def cpu_mark(pid: int) -> tuple[int, float, float]:
-    return (run_ns(pid), *cpu_seconds(pid))
+    return (cpu_ns(pid), *cpu_user_system(pid))
 
 
 def cpu_since(pid: int, before: tuple[int, float, float]) -> tuple[float, float, float]:
@@ -255,10 +246,6 @@ def main() -> None:
         st = pstats.Stats(os.path.abspath(args.profile))
         st.sort_stats("tottime").print_stats(30)
     print(f"logs in {tmp}")
-
-
-def med(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
 
 
 if __name__ == "__main__":

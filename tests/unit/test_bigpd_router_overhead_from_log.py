@@ -15,6 +15,11 @@ def _row(rnd: int, target: str) -> str:
                        "median_ttft_ms": 10.0 + rnd})
 
 
+def _cpu(rnd: int, output_len: int, cpu_s: float) -> str:
+    return json.dumps({"cpu": "run", "round": rnd, "target": "kllm", "output_len": output_len, "completed": 4,
+                       "output_tokens": 4 * output_len, "cpu_s": cpu_s, "wall_s": 1.0})
+
+
 def test_rows_after_the_last_summary_complete_rounds_only(
         bench_module: Callable[[str, str], ModuleType], tmp_path: Path) -> None:
     bo = bench_module("bigpd_router", "bench_overhead")
@@ -23,11 +28,17 @@ def test_rows_after_the_last_summary_complete_rounds_only(
         _row(0, "direct"), _row(0, "kllm"),
         "sglang.bench_serving via kllm-router vs direct, fake backend, 1 interleaved rounds: ...",
         "[12:52:30 kllm pid=7] kllm_cuda platform (pid 7): NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, ...",
-        _row(0, "direct"), _row(0, "kllm"), _row(1, "kllm"), _row(1, "direct"), _row(2, "direct"),
+        _cpu(0, 64, 0.05), _cpu(0, 8, 0.02),
+        _row(0, "direct"), _row(0, "kllm"), _cpu(1, 64, 0.07), _row(1, "kllm"), _row(1, "direct"),
+        _cpu(2, 64, 0.9), _row(2, "direct"),
     ]) + "\n")
-    rows, rounds, device = bo.rows_from_log(str(log))
+    rows, rounds, device, cpu_rows = bo.rows_from_log(str(log))
     assert rounds == 2 and len(rows) == 4 and {r["round"] for r in rows} == {0, 1}
     assert device == "NVIDIA H100 80GB HBM3"
+    # the CPU rows of the complete rounds only: the router's CPU of its full-length runs is their sum
+    assert [r["round"] for r in cpu_rows] == [0, 0, 1]
+    assert bo.router_cpu_s(cpu_rows, "kllm", 64) == pytest.approx(0.12)
+    assert bo.router_cpu_s(cpu_rows, "baseline", 64) is None
     log.write_text(_row(0, "direct") + "\n" + _row(0, "kllm") + "\n")
     with pytest.raises(SystemExit, match="fewer than two complete rounds"):
         bo.rows_from_log(str(log))
