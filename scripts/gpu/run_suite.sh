@@ -16,7 +16,9 @@
 #   router_bs  benchmarks/bigpd_router/bench_overhead.py --bench-serving: sglang.bench_serving direct vs
 #          through kllm-router, the fake backend and the tiny model on the GPU (--bs-gpu); arguments of both
 #          in $ROUTER_BS_ARGS, of the GPU one only in $ROUTER_BS_GPU_ARGS (e.g. --bs-pin auto); summary
-#          gpu_overhead_bench_serving.json
+#          gpu_overhead_bench_serving.json; ROUTER_BS_SKIP_FAKE=1 runs the GPU one only
+#   relay_latency  benchmarks/bigpd_router/bench_relay_latency.py (per-token delay and added TPOT of the
+#          router, fake backend with stamps; its arguments in $RELAY_ARGS; summary gpu_relay_latency.json)
 #   kv_tiers  benchmarks/gpu/kv_tiers_gpu.py (bench_tiers.py on the GPU; its arguments in $KV_ARGS;
 #          summary under $OUT/benchmarks/results/kv_tiers/)
 #   time_to_serve  benchmarks/gpu/time_to_serve_gpu.py (bench_time_to_serve.py on the GPU; its arguments
@@ -83,8 +85,8 @@ for suite in "$@"; do
     router_bs)
       tiny=$($PY -m kllm_plugins.cli build-model tiny)
       lim=$(step_limit $suite)
-      { timeout --kill-after=20 "$lim" $PY benchmarks/bigpd_router/bench_overhead.py --bench-serving "$tiny" \
-          --bs-backend fake --bs-out-root "$OUT" --bs-max-s $((lim / 3)) ${ROUTER_BS_ARGS:-}
+      { [ "${ROUTER_BS_SKIP_FAKE:-0}" = 1 ] || timeout --kill-after=20 "$lim" $PY benchmarks/bigpd_router/bench_overhead.py \
+          --bench-serving "$tiny" --bs-backend fake --bs-out-root "$OUT" --bs-max-s $((lim / 3)) ${ROUTER_BS_ARGS:-}
         timeout --kill-after=20 "$lim" $PY benchmarks/bigpd_router/bench_overhead.py --bench-serving "$tiny" \
           --bs-backend sglang --bs-gpu --bs-out-root "$OUT" --bs-max-s $((lim / 2)) ${ROUTER_BS_ARGS:-} \
           ${ROUTER_BS_GPU_ARGS:-}; } \
@@ -94,6 +96,10 @@ for suite in "$@"; do
       timeout --kill-after=20 "$(step_limit $suite)" $PY benchmarks/gpu/kv_tiers_gpu.py --out-root "$OUT" -- \
         ${KV_ARGS:-} > "$OUT/kv_tiers.log" 2>&1; r=$?
       device_cleanup ;;
+    relay_latency)
+      timeout --kill-after=20 "$(step_limit $suite)" $PY benchmarks/bigpd_router/bench_relay_latency.py \
+        --results-root "$OUT" --out-name gpu_relay_latency --shared "GPU machine's host, nothing else running" \
+        ${RELAY_ARGS:-} > "$OUT/relay_latency.log" 2>&1; r=$? ;;
     time_to_serve)
       timeout --kill-after=20 "$(step_limit $suite)" $PY benchmarks/gpu/time_to_serve_gpu.py --out-root "$OUT" -- \
         ${TTS_ARGS:-} > "$OUT/time_to_serve.log" 2>&1; r=$?

@@ -21,11 +21,15 @@ def test_every_token_is_timed_direct_and_through_the_router(bench_module: Callab
             for url in (urls[0], rurl):
                 host, port = url.split("//")[1].split(":")
                 delays: list[float] = []
-                assert await bench._stream(host, int(port), 12, delays) == 12
+                gaps: list[float] = []
+                assert await bench._stream(host, int(port), 12, delays, gaps) == 12
                 assert len(delays) == 12 and all(0 <= d < 1e6 for d in delays)  # microseconds, under 1 s
+                # one added gap per stream: the delay's change first -> last token over 11 gaps
+                assert gaps == [(delays[-1] - delays[0]) / 11]
         async with cluster([plain], RouterConfig(loads_interval_s=0)) as (_router, rurl, _urls):
             host, port = rurl.split("//")[1].split(":")
             none: list[float] = []
-            assert await bench._stream(host, int(port), 5, none) == 0 and none == []  # no stamps: nothing timed
+            no_gaps: list[float] = []
+            assert await bench._stream(host, int(port), 5, none, no_gaps) == 0 and none == [] and no_gaps == []  # no stamps: nothing timed
 
     run(go)
