@@ -1,0 +1,64 @@
+"""The figures benchmarks/fair_sched/long_in_flight.py records: which shorts count, the ratios, variants."""
+from __future__ import annotations
+
+import math
+from types import ModuleType
+from typing import Any, Callable
+
+import pytest
+
+
+def outcome(m: ModuleType, rid: str, kind: str, arrival: float, ttft: float, out: list[int] | None = None) -> Any:
+    return m.Outcome(rid, kind, 100, arrival, ttft, ttft + 0.5, len(out or [1]), out or [1], "length")
+
+
+def test_run_metrics_counts_only_shorts_that_arrived_before_the_long_first_token(
+        bench_module: Callable[[str, str], ModuleType]) -> None:
+    m = bench_module("fair_sched", "long_in_flight")
+    outs = [outcome(m, "long", "long", 0.0, 2.0), outcome(m, "a", "short", 0.5, 1.0),
+            outcome(m, "b", "short", 1.0, 3.0), outcome(m, "late", "short", 2.5, 9.0),
+            outcome(m, "m", "medium", 1.0, 4.0)]
+    r = m.run_metrics(outs)
+    assert r["short_n"] == 2 and r["short_mean"] == 2.0 and r["short_max"] == 3.0
+    assert r["short_p90"] == pytest.approx(2.8)  # numpy's linear percentile of [1, 3]
+    assert r["medium_mean"] == r["medium_max"] == 4.0 and r["long_ttft"] == 2.0
+    assert r["wall"] == 2.5 + 9.5  # the late short ends last
+    assert math.isnan(m.run_metrics(outs[:1])["short_mean"])
+
+
+def test_same_outputs_compares_each_request_by_rid(bench_module: Callable[[str, str], ModuleType]) -> None:
+    m = bench_module("fair_sched", "long_in_flight")
+    ref = [outcome(m, "x", "short", 0, 1, [1, 2]), outcome(m, "y", "short", 0, 1, [3])]
+    assert m.same_outputs(ref[::-1], ref)
+    assert not m.same_outputs([ref[0], outcome(m, "y", "short", 0, 1, [4])], ref)
+    assert not m.same_outputs(ref[:1], ref)
+
+
+def test_summary_ratios_name_the_best_other_stock_policy(bench_module: Callable[[str, str], ModuleType]) -> None:
+    m = bench_module("fair_sched", "long_in_flight")
+    nan = float("nan")
+    base = dict.fromkeys(m.METRICS, 1.0) | {"short_n": 3.0}
+    runs = []
+    for seed, scale in ((0, 1.0), (1, 2.0)):
+        for name, short in (("fcfs", 4.0), ("hrrn", 2.0), ("fair_sched", 0.5)):
+            runs.append({"setup": name, "seed": seed, **base, "short_mean": short * scale, "same_as_fcfs": True})
+        runs.append({"setup": "fair_sched", "seed": seed, "error": "server exited"} if seed else
+                    {"setup": "lpm", "seed": seed, **base, "medium_mean": nan, "same_as_fcfs": False})
+    s = m.summarize(runs, ["fcfs", "hrrn", "lpm", "fair_sched"])
+    f = s["fair_sched"]
+    assert f["runs"] == 2 and f["failed"] == 1 and f["same_as_fcfs"] is True
+    assert f["short_mean"]["s"]["median"] == 0.75 and f["short_mean"]["vs_fcfs"]["ratio"] == 0.125
+    assert f["short_mean"]["vs_best_stock"]["policy"] == "lpm"  # lpm's 1.0 beats hrrn's 3.0
+    assert s["hrrn"]["short_mean"]["vs_best_stock"]["policy"] == "lpm"  # never itself
+    assert "medium_mean" not in s["lpm"] and s["lpm"]["same_as_fcfs"] is False
+    assert s["fcfs"]["medium_mean"]["vs_best_stock"]["policy"] == "hrrn"  # lpm's NaN figure is left out
+
+
+def test_variants_become_fair_sched_setups(bench_module: Callable[[str, str], ModuleType]) -> None:
+    m = bench_module("fair_sched", "long_in_flight")
+    v = m.parse_variants(["nocut:long_min_share=1.0,KLLM_FAIR_SCHED_SHORT_EXTRA_TOKENS=0"])
+    assert v == {"fair_sched/nocut": (["fair_sched"], {"KLLM_FAIR_SCHED_LONG_MIN_SHARE": "1.0",
+                                                       "KLLM_FAIR_SCHED_SHORT_EXTRA_TOKENS": "0"}, "fcfs")}
+    for bad in ("notag", ":a=1", "t:a", "t:a=1,b"):
+        with pytest.raises(ValueError, match="TAG:KEY=V"):
+            m.parse_variants([bad])
