@@ -81,13 +81,15 @@ def workload(a: argparse.Namespace, seed: int) -> list[Job]:
 
 def run_metrics(outs: Sequence[Outcome]) -> dict[str, float]:
     """One run's figures (seconds). Shorts count when they arrived before the long prompt's first
-    token; a figure over no requests is NaN."""
+    token; `medium_before_long` counts the mediums whose first token came before it. A figure
+    over no requests is NaN."""
     long_ = next(o for o in outs if o.kind == "long")
     long_first = long_.arrival_s + long_.ttft_s
     shorts = [o.ttft_s for o in outs if o.kind == "short" and o.arrival_s < long_first]
     mediums = [o.ttft_s for o in outs if o.kind == "medium"]
     nan = float("nan")
     return {"short_n": float(len(shorts)),
+            "medium_before_long": float(sum(o.arrival_s + o.ttft_s < long_first for o in outs if o.kind == "medium")),
             "short_mean": float(np.mean(shorts)) if shorts else nan,
             "short_p50": float(np.percentile(shorts, 50)) if shorts else nan,
             "short_p90": float(np.percentile(shorts, 90)) if shorts else nan,
@@ -140,7 +142,7 @@ def summarize(runs: Sequence[dict[str, Any]], names: Sequence[str]) -> dict[str,
     out: dict[str, Any] = {}
     for n in names:
         row: dict[str, Any] = {"runs": len(per[n]), "failed": sum(1 for r in runs if r["setup"] == n and "error" in r),
-                               "short_n": spread(vals(n, "short_n")) if per[n] else None}
+                               **{k: spread(vals(n, k)) if per[n] else None for k in ("short_n", "medium_before_long")}}
         same = [r["same_as_fcfs"] for r in per[n] if r.get("same_as_fcfs") is not None]
         row["same_as_fcfs"] = all(same) if same else None
         for m in METRICS:
@@ -162,13 +164,14 @@ def summarize(runs: Sequence[dict[str, Any]], names: Sequence[str]) -> dict[str,
 
 def print_tables(summary: dict[str, Any]) -> None:
     cols = ("short_mean", "short_p90", "short_max", "medium_mean", "medium_max", "long_ttft", "wall")
-    head = f"{'setup':24} {'shorts':>6} " + " ".join(f"{c:>17}" for c in cols) + "  same"
-    print("\nseconds, median over seeds [min-max]; shorts = those arriving before the long prompt's first token")
+    head = f"{'setup':24} {'shorts':>6} {'med<L':>5} " + " ".join(f"{c:>17}" for c in cols) + "  same"
+    print("\nseconds, median over seeds [min-max]; shorts: those arriving before the long prompt's first token; "
+          "med<L: mediums served before it")
     print(head)
     for n, row in summary.items():
         cells = " ".join(f"{fmt_spread(row[c]['s'], 2) if c in row else '-':>17}" for c in cols)
-        sn = f"{row['short_n']['median']:.0f}" if row["short_n"] else "-"
-        print(f"{n:24} {sn:>6} {cells}  {row['same_as_fcfs']}")
+        sn, mb = (f"{row[k]['median']:.1f}" if row[k] else "-" for k in ("short_n", "medium_before_long"))
+        print(f"{n:24} {sn:>6} {mb:>5} {cells}  {row['same_as_fcfs']}")
     for key, title in (("vs_fcfs", "ratio to fcfs"), ("vs_best_stock", "ratio to the best stock policy (which)")):
         print(f"\n{title}, median [min-max over seeds]")
         print(f"{'setup':24} " + " ".join(f"{c:>22}" for c in cols))
@@ -216,7 +219,7 @@ def main() -> int:
                 row = {"setup": name, "seed": seed, "error": str(exc)[-300:]}
             runs.append(row)
             print(f"[long_in_flight] seed {seed} {name}: " + (row.get("error") or " ".join(
-                f"{k} {row[k]:.3g}" for k in ("short_n", "short_mean", "short_p90", "medium_mean", "long_ttft", "wall"))),
+                f"{k} {row[k]:.3g}" for k in ("short_n", "short_mean", "short_p90", "medium_mean", "medium_before_long", "long_ttft", "wall"))),
                 flush=True)
         ref = done.get("fcfs")
         for row in runs:

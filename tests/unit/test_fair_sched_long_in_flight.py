@@ -22,6 +22,7 @@ def test_run_metrics_counts_only_shorts_that_arrived_before_the_long_first_token
     assert r["short_n"] == 2 and r["short_mean"] == 2.0 and r["short_max"] == 3.0
     assert r["short_p90"] == pytest.approx(2.8)  # numpy's linear percentile of [1, 3]
     assert r["medium_mean"] == r["medium_max"] == 4.0 and r["long_ttft"] == 2.0
+    assert r["medium_before_long"] == 0  # its first token at 5.0, after the long's at 2.0
     assert r["wall"] == 2.5 + 9.5  # the late short ends last
     assert math.isnan(m.run_metrics(outs[:1])["short_mean"])
 
@@ -37,7 +38,7 @@ def test_same_outputs_compares_each_request_by_rid(bench_module: Callable[[str, 
 def test_summary_ratios_name_the_best_other_stock_policy(bench_module: Callable[[str, str], ModuleType]) -> None:
     m = bench_module("fair_sched", "long_in_flight")
     nan = float("nan")
-    base = dict.fromkeys(m.METRICS, 1.0) | {"short_n": 3.0}
+    base = dict.fromkeys(m.METRICS, 1.0) | {"short_n": 3.0, "medium_before_long": 0.0}
     runs = []
     for seed, scale in ((0, 1.0), (1, 2.0)):
         for name, short in (("fcfs", 4.0), ("hrrn", 2.0), ("fair_sched", 0.5)):
