@@ -19,7 +19,8 @@
 #          gpu_overhead_bench_serving.json; ROUTER_BS_SKIP_FAKE=1 runs the GPU one only
 #   relay_latency  benchmarks/bigpd_router/bench_relay_latency.py (per-token delay and added TPOT of the
 #          router, fake backend with stamps; its arguments in $RELAY_ARGS; summary gpu_relay_latency.json)
-#   kv_tiers  benchmarks/gpu/kv_tiers_gpu.py (bench_tiers.py on the GPU; its arguments in $KV_ARGS;
+#   kv_tiers  benchmarks/gpu/kv_tiers_gpu.py (bench_tiers.py on the GPU; its arguments in $KV_ARGS, the
+#          wrapper's own (e.g. --mem-fraction 0.6 on an 80 GB card) in $KV_GPU_ARGS;
 #          summary under $OUT/benchmarks/results/kv_tiers/)
 #   time_to_serve  benchmarks/gpu/time_to_serve_gpu.py (bench_time_to_serve.py on the GPU; its arguments
 #          in $TTS_ARGS; summary under $OUT/benchmarks/results/bigpd_router/)
@@ -93,7 +94,7 @@ for suite in "$@"; do
         > "$OUT/router_bs.log" 2>&1; r=$?
       device_cleanup ;;
     kv_tiers)
-      timeout --kill-after=20 "$(step_limit $suite)" $PY benchmarks/gpu/kv_tiers_gpu.py --out-root "$OUT" -- \
+      timeout --kill-after=20 "$(step_limit $suite)" $PY benchmarks/gpu/kv_tiers_gpu.py --out-root "$OUT" ${KV_GPU_ARGS:-} -- \
         ${KV_ARGS:-} > "$OUT/kv_tiers.log" 2>&1; r=$?
       device_cleanup ;;
     relay_latency)
