@@ -127,11 +127,13 @@ def test_taken_hooks_move_what_sglang_direct_transfer_moves(monkeypatch) -> None
     assert sc.around_backup_from_device_all_layer(orig, pool, None, hi, di, "kernel") == "sglang"
 
 
-def test_backups_on_a_gpu_are_timed_by_events_read_at_a_later_call(monkeypatch) -> None:
+@pytest.mark.parametrize("where", ["indices_on_gpu", "pool_on_gpu"])
+def test_backups_on_a_gpu_are_timed_by_events_read_at_a_later_call(monkeypatch, where: str) -> None:
     """The adapter's bookkeeping of device timings (CUDA events stood in for on the CPU): a backup
-    whose device indices are on a GPU records a start and an end event; the pair is read at the next
-    backup once complete, into the tier state's device time and tokens. Without a tier state
-    nothing is recorded."""
+    whose device indices are on a GPU, or whose device pool is (SGLang's `direct` I/O backend moves
+    the device indices to the host first), records a start and an end event; the pair is read at
+    the next backup once complete, into the tier state's device time and tokens. Without a tier
+    state nothing is recorded."""
     from kllm_plugins.plugins.kv_tiers.config import KvTiersConfig
     from kllm_plugins.plugins.kv_tiers.core.tier_state import TierState
     from kllm_plugins.plugins.kv_tiers.sglang_adapter import state
@@ -152,18 +154,23 @@ def test_backups_on_a_gpu_are_timed_by_events_read_at_a_later_call(monkeypatch) 
     class OnGpu:  # device indices as far as the hook reads them
         is_cuda = True
 
+    class DevicePool:
+        device = "cuda"
+
+    dev_pool, dev_idx = (None, OnGpu()) if where == "indices_on_gpu" else (DevicePool(), torch.tensor([0, 1]))
+
     made: list[Ev] = []
     monkeypatch.setattr(sc, "_cuda_event", lambda: made.append(Ev()) or made[-1])
     monkeypatch.setattr(sc, "_enabled", lambda: (False, 2))
-    sc._backup_timings.ready()
+    monkeypatch.setattr(sc, "_backup_timings", type(sc._backup_timings)())  # nothing left from another test
     orig, hi = _Original(), _tokens([1, 2])
     monkeypatch.setattr(state, "_tiers", None)
-    sc.around_backup_from_device_all_layer(orig, MHATokenToKVPoolHost(), None, hi, OnGpu(), "direct")
+    sc.around_backup_from_device_all_layer(orig, MHATokenToKVPoolHost(), dev_pool, hi, dev_idx, "direct")
     assert made == [] and len(sc._backup_timings) == 0
     tiers = TierState(KvTiersConfig(), "cpu-test")
     monkeypatch.setattr(state, "_tiers", tiers)
     for _ in range(2):
-        assert sc.around_backup_from_device_all_layer(orig, MHATokenToKVPoolHost(), None, hi, OnGpu(),
+        assert sc.around_backup_from_device_all_layer(orig, MHATokenToKVPoolHost(), dev_pool, hi, dev_idx,
                                                       "direct") == "sglang"
     assert len(made) == 4 and orig.calls == 3
     # the first backup's pair was read at the second; the second's waits for the next call

@@ -98,7 +98,9 @@ def around_backup_from_device_all_layer(original: Callable[..., Any], self: Any,
 
     on, chunk = _enabled()
     t = state.current()  # nothing is timed before the process's tier state exists
-    start = _cuda_event() if t is not None and device_indices.is_cuda else None
+    # SGLang's `direct` I/O backend hands the device indices over on the host (`move_indices`), so the
+    # device pool says where the copy runs
+    start = _cuda_event() if t is not None and (device_indices.is_cuda or _on_cuda(device_pool)) else None
     t0 = time.perf_counter()
     if not on or args or kwargs or not eligible(self, io_backend):
         result = original(self, device_pool, host_indices, device_indices, io_backend, *args, **kwargs)
@@ -115,6 +117,11 @@ def _token_bytes(host_pool: Any) -> int:
         return int(host_pool.get_size_per_token())
     except (AttributeError, TypeError, ValueError):
         return 0
+
+
+def _on_cuda(device_pool: Any) -> bool:
+    """Whether the device KV pool lives on a CUDA device (its `device`: "cuda", "cuda:0", a torch.device)."""
+    return str(getattr(device_pool, "device", "")).startswith("cuda")
 
 
 def _cuda_event() -> Any:
