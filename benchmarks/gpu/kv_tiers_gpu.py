@@ -53,7 +53,7 @@ def main() -> int:
         bench_tiers.SERVER_FACTORY = gpu_server
         bench_report.MACHINE = f"{setup.machine()['gpu']}, lent machine, one job at a time"
         bench_report.SHARED = None
-        bench_report.LABEL = (f"REAL SGLang servers on the H200 (kllm_cuda, CUDA graphs, Triton attention), "
+        bench_report.LABEL = (f"REAL SGLang servers on the {setup.machine()['gpu']} (kllm_cuda, CUDA graphs, Triton attention), "
                               f"{setup.model_name()}, kv_tiers layout {a.tiers_layout}")
     merged = [] if setup.cpu else list(GPU_DEFAULTS)  # an option given after `--` comes later and wins
     if a.out_root:

@@ -42,7 +42,7 @@ def main() -> int:
     if not setup.cpu:
         # --skip-tokenizer-init (no tokenizer in the config-only folder): the request carries token ids
         tts.BODY = {"input_ids": list(range(100, 132)), "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
-        tts.LABEL = "REAL SGLang servers on the H200 (kllm_cuda)"
+        tts.LABEL = f"REAL SGLang servers on the {setup.machine()['gpu']} (kllm_cuda)"
         tts.SHARED = None
         gpu = "NVIDIA H200 (rows from the device run's log)" if from_log else setup.machine()["gpu"]
         tts.MACHINE = f"{gpu}, lent machine, one job at a time"
