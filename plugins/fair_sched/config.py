@@ -54,6 +54,12 @@ class FairSchedConfig:
     """finish: end the request with a 'repetition_loop' finish reason; retract: free its KV and requeue it."""
     loop_max_retracts: int = 1
     """With loop_action=retract: loop retractions of one request before its next loop finishes it."""
+    max_partial_prefills: int = 1
+    """Requests partially prefilled at once: above 1, an earlier-key request larger than a pass suspends the partial one (KV kept) and starts its own."""
+    max_long_partial_prefills: int = 1
+    """Of those, at most this many with more than long_partial_tokens of work."""
+    long_partial_tokens: int = 0
+    """Work (tokens) above which a partial prefill counts as long; 0: 16 budgets."""
     publish_interval_s: float = 0.5
     """Seconds between snapshots for /kllm/stats."""
 
@@ -102,6 +108,13 @@ class FairSchedConfig:
             raise ValueError(f"loop_max_retracts must be >= 0, got {self.loop_max_retracts}")
         if self.loop_action not in LOOP_ACTIONS:
             raise ValueError(f"loop_action must be one of {LOOP_ACTIONS}, got {self.loop_action!r}")
+        if self.max_partial_prefills < 1:
+            raise ValueError(f"max_partial_prefills must be >= 1, got {self.max_partial_prefills}")
+        if not 1 <= self.max_long_partial_prefills <= self.max_partial_prefills:
+            raise ValueError(f"max_long_partial_prefills must be in [1, max_partial_prefills="
+                             f"{self.max_partial_prefills}], got {self.max_long_partial_prefills}")
+        if self.long_partial_tokens < 0:
+            raise ValueError(f"long_partial_tokens must be >= 0, got {self.long_partial_tokens}")
         if not 0 < self.publish_interval_s <= 60:
             raise ValueError(f"publish_interval_s must be in (0, 60], got {self.publish_interval_s}")
 
@@ -124,4 +137,7 @@ class FairSchedConfig:
             busy_decode_reqs=self.busy_decode_reqs,
             decode_max_gap_s=self.decode_max_gap_s,
             decode_share=self.decode_share,
+            max_partial=self.max_partial_prefills,
+            max_long_partial=self.max_long_partial_prefills,
+            long_partial_tokens=self.long_partial_tokens,
         )

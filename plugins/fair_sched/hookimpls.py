@@ -8,6 +8,7 @@ from kllm_plugins.plugins.fair_sched.config import LOOP_ACTIONS, FairSchedConfig
 from kllm_plugins.spec import OptionSpec, PatchSpec, PluginSpec, parse_bool
 
 ADAPTER = "kllm_plugins.plugins.fair_sched.sglang_adapter"
+PARTIALS = "kllm_plugins.plugins.fair_sched.sglang_partials"
 _SCHED = "sglang.srt.managers.scheduler.Scheduler"
 _POLICY = "sglang.srt.managers.schedule_policy.SchedulePolicy"
 
@@ -21,6 +22,15 @@ PATCHES: tuple[PatchSpec, ...] = (
         "its chunk cap, and the KV watermark admission gate",
         upstream="a per-pass prefill-planning hook, and parking a chunked request without the "
         "unconditional inflight_middle_chunks increment (scheduler.py:4329)",
+    ),
+    PatchSpec(
+        target=f"{_SCHED}.abort_request",
+        impl=f"{PARTIALS}:around_abort_request",
+        kind="around",
+        why="max_partial_prefills > 1: an abort of a partially prefilled request that fair_sched set aside finds it in "
+        "no SGLang queue; noted, the request is put back as chunked_req and handed to SGLang's chunked abort",
+        upstream="a list of partially prefilled requests in the scheduler (chunked_req as one of several), which "
+        "abort and retraction would walk",
     ),
     PatchSpec(
         target=f"{_POLICY}.calc_priority",
@@ -105,6 +115,9 @@ def kllm_declare() -> PluginSpec:
             OptionSpec("loop_max_period", int, d.loop_max_period, "longest repeating period the loop detector looks for"),
             OptionSpec("loop_action", str, d.loop_action, "what to do with a looping output", choices=LOOP_ACTIONS),
             OptionSpec("loop_max_retracts", int, d.loop_max_retracts, "loop retractions of one request before its next loop finishes it"),
+            OptionSpec("max_partial_prefills", int, d.max_partial_prefills, "requests partially prefilled at once: above 1, an earlier-key request larger than a pass sets the partial one aside (KV kept) and starts its own"),
+            OptionSpec("max_long_partial_prefills", int, d.max_long_partial_prefills, "of those, at most this many with more than long_partial_tokens of work"),
+            OptionSpec("long_partial_tokens", int, d.long_partial_tokens, "work above which a partial prefill counts as long (0: 16 budgets)"),
             OptionSpec("publish_interval_s", float, d.publish_interval_s, "seconds between snapshots for /kllm/stats"),
         ),
         patches=PATCHES,

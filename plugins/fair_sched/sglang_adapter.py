@@ -40,6 +40,7 @@ from kllm_plugins.plugins.fair_sched.config import FairSchedConfig
 from kllm_plugins.plugins.fair_sched.core.quota import FairPolicy, WaitingItem
 from kllm_plugins.plugins.fair_sched.core.repetition import RepetitionDetector
 from kllm_plugins.plugins.fair_sched.core.watermark import WatermarkGate, continuation_tokens
+from kllm_plugins.plugins.fair_sched import sglang_partials as partials
 from kllm_plugins.stats import StatsWriter
 
 logger = logging.getLogger("kllm.fair_sched")
@@ -62,6 +63,11 @@ class _State:
         """Tokens the current pass's adder adds to its chunk budget for riding one-chunk requests."""
         self.pass_budget: int | None = None
         self.parked: Any = None
+        self.suspended_reqs: dict[str, Any] = {}
+        """rid -> partially prefilled request set aside for an earlier-key one (sglang_partials)."""
+        self.abort_suspended: set[str] = set()
+        self.suspending = False
+        """True during the pass planned for the request a partial one was suspended for."""
         self.admit = True
         self.chunk_end: dict[str, int] = {}
         self.counters: dict[str, int] = {
@@ -72,6 +78,10 @@ class _State:
             "long_tokens": 0,
             "yields_to_decode": 0,
             "yields_to_short": 0,
+            "yields_to_partial": 0,
+            "partials_suspended": 0,
+            "partials_resumed": 0,
+            "partials_aborted": 0,
             "limited_passes": 0,
             "ride_passes": 0,
             "shorts_beside_long": 0,
@@ -109,6 +119,7 @@ class _State:
         snap["waiting_long_reqs"] = len(longs)
         snap["waiting_long_rids"] = longs[:16]
         snap["dp_rank"] = int(getattr(self.sched, "dp_rank", 0) or 0)
+        snap["suspended_partials"] = len(self.suspended_reqs)
         return snap
 
     def publish(self, changed: bool) -> None:
@@ -183,6 +194,9 @@ def around_get_new_batch_prefill_raw(original: Callable[..., Any], self: Any, *a
     if pol.active is not None and (cr is None or cr.rid != pol.active.rid):
         # It left without our observing its last chunk (abort or retraction).
         pol.finish_long(pol.active.rid)
+    if cr is None and st.suspended_reqs:
+        partials.resume(st, self)
+        cr = self.chunked_req
     used, total = _kv_used(self)
     was_paused = st.gate.paused
     st.admit = st.gate.update(used, total)
@@ -200,7 +214,9 @@ def around_get_new_batch_prefill_raw(original: Callable[..., Any], self: Any, *a
     # While the gate is closed nothing new is admitted, so there is nobody to yield to or reserve for.
     waiting = _items(self.waiting_queue) if st.admit else []
     now = time.monotonic()
-    plan = pol.plan(waiting, decode_running, budget, now=now, running_reqs=running_reqs)
+    # A suspended request keeps its KV: none is set aside once usage reaches the low watermark.
+    suspend_ok = st.gate.usage < st.cfg.kv_low_watermark
+    plan = pol.plan(waiting, decode_running, budget, now=now, running_reqs=running_reqs, suspend_ok=suspend_ok)
     st.pass_budget = budget
     if plan.action == "yield":
         st.counters[f"yields_to_{plan.yield_to}"] += 1
@@ -209,6 +225,17 @@ def around_get_new_batch_prefill_raw(original: Callable[..., Any], self: Any, *a
             st.pass_budget = None
             st.publish(True)
             return None, running_batch  # plan() noted this decode step
+        if plan.yield_to == "partial":
+            partials.suspend(st, self, cr)
+            st.pass_budget = None
+            st.extra_tokens = plan.extra_tokens
+            st.suspending = True
+            try:
+                result = original(self, *args, **kwargs)  # may truncate the newcomer: the next chunked_req
+            finally:
+                st.extra_tokens = 0
+                st.suspending = False
+            return _after_pass(st, self, pol, result, decode_running, now, plan)
         self.chunked_req = None
         st.parked = cr
         st.pass_budget = None
@@ -237,6 +264,10 @@ def around_get_new_batch_prefill_raw(original: Callable[..., Any], self: Any, *a
         finally:
             st.long_limit = None
             st.extra_tokens = 0
+    return _after_pass(st, self, pol, result, decode_running, now, plan)
+
+
+def _after_pass(st: _State, self: Any, pol: FairPolicy, result: Any, decode_running: bool, now: float, plan: Any) -> Any:
     st.pass_budget = None
     batch = result[0] if isinstance(result, tuple) else None
     if batch is None and decode_running:
@@ -325,7 +356,8 @@ def _refuse_second_truncation(has_chunked_req: bool) -> bool:
     """A request would be truncated (become partially prefilled) while another is: the scheduler's
     chunked request, or the one parked for a yield. Counted; the adder then refuses it."""
     st = _state
-    if st is None or not (has_chunked_req or st.parked is not None):
+    # With requests suspended, a new partial prefill starts only on the pass planned for it.
+    if st is None or not (has_chunked_req or st.parked is not None or (st.suspended_reqs and not st.suspending)):
         return False
     st.counters["second_truncation_refused"] += 1
     return True

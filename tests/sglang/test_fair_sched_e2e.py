@@ -187,3 +187,64 @@ def test_bad_option_is_a_clear_startup_error(flag: str, value: str, message: str
     assert proc.returncode != 0
     assert message in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+def test_several_partial_prefills_let_a_medium_prompt_past_a_long_one() -> None:
+    """max_partial_prefills 2: a medium prompt (larger than a whole pass, so it can neither ride nor
+    be yielded to) arriving while a long prompt is half prefilled suspends the long one, is
+    prefilled and answered first, and the long one resumes where it stopped (nothing recomputed);
+    outputs equal stock's. Stock fcfs serves the long prompt first. An abort of a suspended request
+    releases it through SGLang's chunked abort, and the server stays healthy."""
+    pytest.importorskip("sglang")
+    from serving import Job, run_jobs, sglang_server
+
+    from kllm_plugins.models.tiny_llama import tiny_llama_path
+
+    model = str(tiny_llama_path())
+    args = ["--chunked-prefill-size", "64", "--schedule-policy", "fcfs", "--dtype", "float32"]
+    rng = random.Random(11)
+    ids = lambda n: [rng.randrange(5, 4090) for _ in range(n)]  # noqa: E731
+    jobs = [Job("long", 0.0, ids(4000), 4, "long"), Job("medium", 0.15, ids(400), 4, "short"),
+            Job("short", 0.2, ids(40), 4, "short")]
+    with sglang_server(model, extra_args=args) as stock:
+        ref = {o.rid: o for o in run_jobs(stock.base_url, jobs)}
+    # stock: the medium waits for the whole long prefill
+    assert ref["medium"].arrival_s + ref["medium"].ttft_s > ref["long"].ttft_s
+
+    env = {"KLLM_FAIR_SCHED_MAX_PARTIAL_PREFILLS": "2", "KLLM_FAIR_SCHED_LONG_PARTIAL_TOKENS": "100000",
+           "KLLM_FAIR_SCHED_PUBLISH_INTERVAL_S": "0.1"}
+    with sglang_server(model, plugins=["fair_sched"], extra_args=args, env=env) as fair:
+        got = {o.rid: o for o in run_jobs(fair.base_url, jobs)}
+        for rid, o in ref.items():
+            assert got[rid].output_ids == o.output_ids, rid
+        assert got["medium"].arrival_s + got["medium"].ttft_s < got["long"].ttft_s
+        snap = _wait_stats(fair, "partials_resumed", 1)
+        assert snap["partials_suspended"] >= 1 and snap["partials_resumed"] >= 1 and snap["yields_to_partial"] >= 1
+        assert snap["recomputed_tokens"] == 0 and snap["suspended_partials"] == 0
+
+        # Abort the long prompt while it is suspended behind a 1,500-token one.
+        with ThreadPoolExecutor(2) as pool:
+            long_f = pool.submit(fair.post_json, "/generate", {
+                "rid": "long2", "input_ids": ids(6000),
+                "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}, 300)
+            time.sleep(0.15)
+            medium_f = pool.submit(fair.post_json, "/generate", {
+                "rid": "medium2", "input_ids": ids(1500),
+                "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}, 300)
+            deadline = time.monotonic() + 20
+            while _stats(fair).get("suspended_partials", 0) < 1 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert _stats(fair).get("suspended_partials", 0) == 1
+            req = urllib.request.Request(f"{fair.base_url}/abort_request", data=b'{"rid": "long2"}',
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                assert resp.status == 200
+            long_out, medium_out = long_f.result(), medium_f.result()
+        assert long_out["meta_info"]["finish_reason"]["type"] == "abort"
+        assert len(medium_out["output_ids"]) == 4
+        snap = _wait_stats(fair, "partials_aborted", 1)
+        assert snap["partials_aborted"] == 1 and snap["suspended_partials"] == 0
+        assert len(fair.generate(input_ids=ids(30), max_new_tokens=3)["output_ids"]) == 3
+        time.sleep(1.0)
+        assert _stats(fair)["kv_usage"] < 0.01
+        assert not fair.grep_log(r"memory leak|Scheduler hit an exception|Traceback")

@@ -84,6 +84,46 @@ def test_partial_request_yields_only_when_a_whole_pass_helps_and_after_its_quota
     assert pol.plan(huge, decode_running=False).action == "run"
 
 
+def test_a_larger_earlier_key_request_suspends_the_partial_one_within_the_caps() -> None:
+    """max_partial 2: once its quota is used, the partial request steps aside (KV kept) for an
+    earlier-key request larger than a whole pass, which may then be truncated and become active;
+    the suspended one resumes, with its progress, when none is active. No suspension past the caps."""
+    pol = FairPolicy(params(short_extra_tokens=0, age_weight=1.0, max_partial=2))
+    pol.start_long("L", 3000, key=3000.0)
+    medium = [WaitingItem("m", 500, 0, 0)]  # larger than a whole pass (128): a yield cannot help
+    pol.record_run("L", 64)
+    assert pol.plan(medium, decode_running=False).action == "run"  # 64 < quota 128
+    pol.record_run("L", 64)
+    plan = pol.plan(medium, decode_running=False)
+    assert (plan.action, plan.yield_to) == ("yield", "partial")
+    assert pol.active is None and [x.rid for x in pol.suspended] == ["L"] and pol.suspended[0].computed_tokens == 128
+    pol.start_long("m", 500, key=500.0)
+    # two partials now: no third, and the active medium is not set aside for another one
+    pol.record_run("m", 128)
+    assert pol.plan([WaitingItem("n", 400, 1, 0)], decode_running=False).action == "run"
+    pol.finish_long("m")
+    back = pol.resume()
+    assert back is not None and back.rid == "L" and back.computed_tokens == 128 and pol.suspended == []
+    # not while the engine's KV cannot hold both, nor for a second long one with max_long_partial 1
+    pol.record_run("L", 300)
+    assert pol.plan(medium, decode_running=False, suspend_ok=False).action == "run"
+    assert pol.plan([WaitingItem("h", 2100, 0, 0)], decode_running=False).action == "run"  # 2100 > 16 budgets
+    assert pol.plan(medium, decode_running=False).yield_to == "partial"
+    # max_partial 1 (the default) never suspends
+    one = FairPolicy(params(short_extra_tokens=0, age_weight=1.0))
+    one.start_long("L", 3000, key=3000.0)
+    one.record_run("L", 128)
+    assert one.plan(medium, decode_running=False).action == "run"
+
+
+def test_a_suspended_request_that_leaves_is_forgotten() -> None:
+    pol = FairPolicy(params(short_extra_tokens=0, age_weight=1.0, max_partial=2))
+    pol.start_long("L", 3000, key=3000.0)
+    pol.record_run("L", 128)
+    assert pol.plan([WaitingItem("m", 500, 0, 0)], decode_running=False).yield_to == "partial"
+    assert pol.finish_long("L") is not None and pol.suspended == [] and pol.resume() is None
+
+
 def test_decode_steps_are_spaced_in_prefill_passes_of_any_request() -> None:
     pol = FairPolicy(params(decode_every_chunks=2))
     steps = []
@@ -134,7 +174,8 @@ def test_yield_bound_counts_turns_until_work_is_covered() -> None:
     dict(budget_tokens=1), dict(quota_growth=0.9), dict(max_quota_tokens=64), dict(max_yields=-1),
     dict(long_min_share=0.0), dict(long_min_share=1.5), dict(page_size=0), dict(decode_every_chunks=-1),
     dict(short_extra_tokens=-1), dict(age_weight=-1.0), dict(decode_interval_s=-1.0), dict(decode_share=1.0),
-    dict(busy_decode_reqs=-1), dict(decode_max_gap_s=-0.5),
+    dict(busy_decode_reqs=-1), dict(decode_max_gap_s=-0.5), dict(max_partial=0),
+    dict(max_long_partial=3, max_partial=2), dict(long_partial_tokens=-1),
 ])
 def test_bad_params_name_the_field(bad: dict[str, object]) -> None:
     with pytest.raises(ValueError, match=next(iter(bad))):
@@ -225,6 +266,39 @@ def test_quotas_follow_configured_growth(scn: tuple[QuotaParams, list[list[tuple
             assert nxt == min(p.max_quota_tokens, max(prev + 1, math.ceil(prev * p.quota_growth))) or (
                 p.quota_growth == 1.0 and nxt == prev
             )
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios(), st.integers(2, 4), st.integers(1, 2), st.integers(0, 6))
+def test_several_partial_prefills_complete_in_key_order_within_their_caps(
+        scn: tuple[QuotaParams, list[list[tuple[str, int]]], list[int]], max_partial: int, max_long: int,
+        long_budgets: int) -> None:
+    """With suspensions on (adversarial arrivals, simulated engine): every request completes and
+    computes exactly its own tokens (a suspended request resumes where it stopped), no larger key
+    starts before a waiting smaller one, at most `max_partial` requests are partial at once and at
+    most `max_long_partial` of them long."""
+    p0, arrivals, decode = scn
+    from dataclasses import replace
+
+    p = replace(p0, max_partial=max_partial, max_long_partial=min(max_long, max_partial),
+                long_partial_tokens=long_budgets * p0.budget_tokens)
+    pol = FairPolicy(p)
+    res = simulate(pol, arrivals, decode, max_passes=40_000)
+    assert res.passes < 40_000
+    assert res.partial_peak <= p.max_partial and res.long_partial_peak <= max(p.max_long_partial, 1)
+    reqs = list(res.requests.values())
+    key = {r.rid: r.arrival_clock + p.age_weight * r.work_tokens for r in reqs}
+    seq = {r.rid: i for i, r in enumerate(reqs)}
+    for r in reqs:
+        assert r.done_pass is not None, r
+        assert r.computed_tokens == r.work_tokens
+    start = {r.rid: (r.active_pass if r.active_pass is not None else r.done_pass) for r in reqs}
+    for r in reqs:
+        for s in reqs:
+            if s is r or (key[s.rid], seq[s.rid]) <= (key[r.rid], seq[r.rid]):
+                continue
+            if s.arrival_pass <= start[r.rid] and r.arrival_pass <= start[s.rid]:
+                assert start[s.rid] >= start[r.rid], (r.rid, s.rid)
 
 
 def test_shorts_that_span_several_chunks_no_longer_wait_for_the_whole_long_prefill() -> None:

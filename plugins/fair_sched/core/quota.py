@@ -27,8 +27,14 @@ here). While one is active:
 * while other requests are decoding it also sits out one pass (a decode step) after every
   `decode_every_chunks` chunks (every chunk while >= `busy_decode_reqs` decode, or once the last
   decode is `decode_max_gap_s` old); this does not touch its quota.
-Earlier-key requests larger than a whole pass wait for the active request to finish (SGLang
-cannot hold a second partial request; `core/partial.py` plans several for an engine that can).
+* an earlier-key request larger than a whole pass waits for the active request to finish, unless
+  `max_partial` > 1: then, once the active request has used its turn quota (the same quota and
+  `max_yields` as a yield), it is suspended with its KV and the pass may truncate the earlier-key
+  request, which becomes the active one. At most `max_partial` requests are partially prefilled
+  (the active one and the suspended ones), at most `max_long_partial` of them with more than
+  `long_partial_tokens` of work. When no request is active, the suspended one with the smallest
+  key resumes where it stopped. SGLang runs one partial chunk per pass, so partial prefills take
+  turns rather than share a pass (`core/partial.py` plans shared passes for an engine that can).
 
 Starvation bounds (property-tested in tests/unit/test_fair_sched_core.py on a simulated clock):
 
@@ -47,7 +53,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Sequence
 
 PlanAction = Literal["admit", "run", "yield"]
-YieldTo = Literal["decode", "short"]
+YieldTo = Literal["decode", "short", "partial"]
 
 
 @dataclass(frozen=True)
@@ -82,6 +88,12 @@ class QuotaParams:
     decode_share: float = 0.0
     """With > 0: while prefills wait, a decode step comes once the prefill time since the last one is
     (1 - share) / share x the measured decode-step time (decode steps take about this share of the time)."""
+    max_partial: int = 1
+    """Requests partially prefilled at once (the active one and the suspended ones; 1: SGLang's one)."""
+    max_long_partial: int = 1
+    """Of those, at most this many with more than `long_partial_tokens` of work."""
+    long_partial_tokens: int = 0
+    """Work above which a partial prefill counts as long (0: 16 budgets)."""
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -114,6 +126,12 @@ class QuotaParams:
             raise ValueError(f"decode_max_gap_s must be >= 0, got {self.decode_max_gap_s}")
         if not 0.0 <= self.decode_share < 1.0:
             raise ValueError(f"decode_share must be in [0, 1), got {self.decode_share}")
+        if self.max_partial < 1:
+            raise ValueError(f"max_partial must be >= 1, got {self.max_partial}")
+        if not 1 <= self.max_long_partial <= self.max_partial:
+            raise ValueError(f"max_long_partial must be in [1, max_partial={self.max_partial}], got {self.max_long_partial}")
+        if self.long_partial_tokens < 0:
+            raise ValueError(f"long_partial_tokens must be >= 0, got {self.long_partial_tokens}")
 
     @property
     def min_long_tokens(self) -> int:
@@ -147,6 +165,11 @@ class QuotaParams:
     def max_pass_tokens(self) -> int:
         """Most new tokens one pass prefills (the budget plus the riding one-chunk requests)."""
         return self.budget_tokens + self.ceil_page(self.short_extra_tokens) if self.short_extra_tokens else self.budget_tokens
+
+    @property
+    def long_threshold(self) -> int:
+        """Work (tokens) above which a partial prefill counts as long."""
+        return self.long_partial_tokens or 16 * self.budget_tokens
 
     def next_quota(self, quota: int) -> int:
         return min(self.max_quota_tokens, max(quota + 1, math.ceil(quota * self.quota_growth))) if self.quota_growth > 1.0 else quota
@@ -285,6 +308,9 @@ class FairPolicy:
         self._decode_began: float | None = None
         self._keys: dict[str, float] = {}
         """Keys of the requests seen by the last `order` call (for `start_long`)."""
+        self.suspended: list[LongState] = []
+        """Partially prefilled requests set aside for an earlier-key one (`max_partial` > 1)."""
+        self.total_suspends = 0
 
     def key(self, item: WaitingItem) -> tuple[float, float]:
         return order_key(item, self.params)
@@ -357,11 +383,12 @@ class FairPolicy:
         return n, used
 
     def plan(self, waiting: Sequence[WaitingItem], decode_running: bool, budget: int | None = None,
-             now: float | None = None, running_reqs: int | None = None) -> PassPlan:
+             now: float | None = None, running_reqs: int | None = None, suspend_ok: bool = True) -> PassPlan:
         """Decide this pass for the active request (if any). A yield is committed here.
         `budget`: this pass's budget when smaller than `budget_tokens` (decode rows riding along
         take part of it); `now`: the clock in seconds (for the decode clocks); `running_reqs`:
-        how many requests decode (for `busy_decode_reqs`)."""
+        how many requests decode (for `busy_decode_reqs`); `suspend_ok`: whether the active request
+        may be suspended for a larger earlier-key one (the engine's KV allows holding both)."""
         p = self.params
         a = self.active
         self._clock(now)
@@ -391,19 +418,53 @@ class FairPolicy:
         fitted, reserved = self._fitting(earlier, cut_room + extra)
         # A yield pass gives them the whole pass (budget + extra), whole requests only.
         helps = self._fitting(earlier, p.budget_tokens + p.ceil_page(p.short_extra_tokens))[0] > fitted
-        if helps and a.turn_used >= a.quota and a.yields < p.max_yields:
-            a.yields += 1
-            a.yield_passes += 1
-            a.turn_used = 0
-            a.quota = p.next_quota(a.quota)
-            a.quotas.append(a.quota)
-            self.total_yields += 1
+        turn_over = a.turn_used >= a.quota and a.yields < p.max_yields
+        if helps and turn_over:
+            self._yielded(a)
             return PassPlan("yield", yield_to="short", extra_tokens=p.ceil_page(p.short_extra_tokens))
+        if not helps and fitted < len(earlier) and turn_over and suspend_ok \
+                and self._may_suspend(a, earlier[fitted]):
+            # The first earlier-key request that cannot ride is larger than a whole pass: the
+            # active request steps aside (keeping its KV) and this pass may truncate that one.
+            self._yielded(a)
+            self.suspended.append(a)
+            self.active = None
+            self.total_suspends += 1
+            return PassPlan("yield", yield_to="partial", extra_tokens=p.ceil_page(p.short_extra_tokens))
         if reserved == 0:
             return PassPlan("run")
         cut = min(reserved, cut_room)
         limit = max((pass_budget - cut) // p.page_size * p.page_size, p.page_size)
         return PassPlan("run", long_limit=limit, reserved_tokens=reserved, extra_tokens=max(reserved - (pass_budget - limit), 0))
+
+    def _yielded(self, a: LongState) -> None:
+        p = self.params
+        a.yields += 1
+        a.yield_passes += 1
+        a.turn_used = 0
+        a.quota = p.next_quota(a.quota)
+        a.quotas.append(a.quota)
+        self.total_yields += 1
+
+    def _may_suspend(self, a: LongState, newcomer: WaitingItem) -> bool:
+        """Room for one more partial prefill (`max_partial`, `max_long_partial`) if `a` steps aside
+        for `newcomer`."""
+        p = self.params
+        partials = [a, *self.suspended]
+        if len(partials) >= p.max_partial:
+            return False
+        longs = sum(1 for x in partials if x.work_tokens > p.long_threshold)
+        return newcomer.work_tokens <= p.long_threshold or longs < p.max_long_partial
+
+    def resume(self) -> LongState | None:
+        """No request is active: the suspended one with the smallest key becomes active again
+        (its KV kept; it resumes where it stopped). None when nothing is suspended."""
+        if self.active is not None or not self.suspended:
+            return None
+        best = min(self.suspended, key=lambda x: x.key)
+        self.suspended.remove(best)
+        self.active = best
+        return best
 
     # -- progress --------------------------------------------------------------------------
     def start_long(self, rid: str, work_tokens: int, key: float | None = None) -> LongState:
@@ -431,9 +492,14 @@ class FairPolicy:
         a.chunks_since_decode += 1
 
     def finish_long(self, rid: str) -> LongState | None:
-        """The active request's prefill is complete (or it left: abort, retraction)."""
+        """The active request's prefill is complete (or it left: abort, retraction); also for a
+        suspended one that left."""
         a = self.active
         if a is None or a.rid != rid:
+            for x in self.suspended:
+                if x.rid == rid:
+                    self.suspended.remove(x)
+                    return x
             return None
         self.active = None
         self.finished.append(a)

@@ -5,7 +5,10 @@ It mirrors the engine rules the adapter relies on: the active long request is of
 budget first (capped by the plan's limit), waiting requests are then tried in the policy's
 order, a request that does not fit whole is truncated only when no long request is active
 (one partially prefilled request at most), and the first request that cannot be admitted
-ends the pass (SGLang's adder breaks there too). A yield to decode prefills nothing.
+ends the pass (SGLang's adder breaks there too). A yield to decode prefills nothing. With
+`max_partial` > 1 a suspended request (yield to "partial") waits aside with its progress, the
+pass may truncate a newcomer, and a suspended request resumes when none is active (as the
+adapter puts it back as `chunked_req`).
 """
 from __future__ import annotations
 
@@ -41,6 +44,10 @@ class SimResult:
     yields: int
     prefilled: list[list[str]] = field(default_factory=list)
     """Requests that computed tokens in each pass (empty for a decode yield)."""
+    partial_peak: int = 0
+    """Most requests partially prefilled at once (active and suspended)."""
+    long_partial_peak: int = 0
+    """Most of those with more than `long_threshold` of work at once."""
     pass_end_s: list[float] = field(default_factory=list)
     """Simulated clock at the end of each pass (with a `cost` model; else pass k ends at k + 1)."""
 
@@ -68,6 +75,7 @@ def simulate(
     clock: list[float] = []
     now = 0.0
     processed = 0
+    peak = long_peak = 0
     while k < max_passes:
         ran: list[str] = []
         prefilled.append(ran)
@@ -76,8 +84,10 @@ def simulate(
                 reqs[rid] = SimRequest(rid, work, k, processed)
                 seq[rid] = len(seq)
                 waiting.append(rid)
-        elif not waiting and policy.active is None:
+        elif not waiting and policy.active is None and not policy.suspended:
             break
+        if policy.active is None:
+            policy.resume()
         items = [WaitingItem(r, reqs[r].work_tokens - reqs[r].computed_tokens, seq[r], reqs[r].arrival_clock) for r in waiting]
         running = int(decode_running[k % len(decode_running)]) if decode_running else 0
         decode = running > 0
@@ -105,8 +115,8 @@ def simulate(
             if req.computed_tokens >= req.work_tokens:
                 req.done_pass = k
                 policy.finish_long(req.rid)
-        parked = plan.action == "yield"
-        if parked:
+        parked = plan.action == "yield" and plan.yield_to == "short"
+        if plan.action == "yield":
             budget += plan.extra_tokens  # a yield pass: the whole pass plus the riders' extra, whole requests only
         for i in policy.order(items):
             if budget < p.page_size:
@@ -116,8 +126,9 @@ def simulate(
             need = req.work_tokens - req.computed_tokens
             if p.ceil_page(need) <= budget:
                 take = need
-            elif policy.active is None and not parked:
-                # As in SGLang: the slot is free again once the active request's last chunk ran.
+            elif policy.active is None and not parked and (not policy.suspended or plan.yield_to == "partial"):
+                # As in SGLang: the slot is free again once the active request's last chunk ran
+                # (with requests suspended, only on the pass planned for the newcomer).
                 take = budget // p.page_size * p.page_size
             else:
                 break
@@ -133,6 +144,9 @@ def simulate(
                 req.active_pass = k
             else:
                 req.done_pass = k
+        partials = [x for x in (policy.active, *policy.suspended) if x is not None]
+        peak = max(peak, len(partials))
+        long_peak = max(long_peak, sum(1 for x in partials if x.work_tokens > p.long_threshold))
         if not used and decode:
             policy.note_decode(now)  # nothing to prefill: the pass decodes
         elif used:
@@ -143,4 +157,4 @@ def simulate(
         k += 1
     del prefilled[k:]
     del clock[k:]
-    return SimResult(reqs, k, policy.total_yields, prefilled, clock)
+    return SimResult(reqs, k, policy.total_yields, prefilled, pass_end_s=clock, partial_peak=peak, long_partial_peak=long_peak)
