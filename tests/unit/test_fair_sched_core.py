@@ -218,6 +218,20 @@ def scenarios(draw: st.DrawFn) -> tuple[QuotaParams, list[list[tuple[str, int]]]
     return p, arrivals, decode
 
 
+def _assert_key_order(reqs: list, p: QuotaParams) -> None:  # type: ignore[type-arg]
+    """No request with a larger key started its prefill before a smaller-key one while both waited."""
+    key = {r.rid: r.arrival_clock + p.age_weight * r.work_tokens for r in reqs}
+    seq = {r.rid: i for i, r in enumerate(reqs)}
+    start = {r.rid: (r.active_pass if r.active_pass is not None else r.done_pass) for r in reqs}
+    for r in reqs:
+        for s in reqs:
+            if s is r or (key[s.rid], seq[s.rid]) <= (key[r.rid], seq[r.rid]):
+                continue
+            # s has the larger key; while both waited, s did not start first.
+            if s.arrival_pass <= start[r.rid] and r.arrival_pass <= start[s.rid]:
+                assert start[s.rid] >= start[r.rid], (r.rid, s.rid)
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios(), st.floats(0.001, 0.05), st.floats(1e-5, 1e-3))
 def test_no_starvation_key_order_and_pass_bound(
@@ -235,22 +249,13 @@ def test_no_starvation_key_order_and_pass_bound(
     res = simulate(FairPolicy(p), arrivals, decode, max_passes=20_000, cost=cost)
     assert res.passes < 20_000
     reqs = list(res.requests.values())
-    key = {r.rid: r.arrival_clock + p.age_weight * r.work_tokens for r in reqs}
-    seq = {r.rid: i for i, r in enumerate(reqs)}
     for r in reqs:
         assert r.done_pass is not None, r
         assert r.computed_tokens == r.work_tokens
         assert all(c > 0 for c in r.chunks)
         if r.active_pass is not None:
             assert r.done_pass - r.active_pass + 1 <= pass_bound(r.work_tokens, p, first_chunk=r.chunks[0])
-    start = {r.rid: (r.active_pass if r.active_pass is not None else r.done_pass) for r in reqs}
-    for r in reqs:
-        for s in reqs:
-            if s is r or (key[s.rid], seq[s.rid]) <= (key[r.rid], seq[r.rid]):
-                continue
-            # s has the larger key; while both waited, s did not start first.
-            if s.arrival_pass <= start[r.rid] and r.arrival_pass <= start[s.rid]:
-                assert start[s.rid] >= start[r.rid], (r.rid, s.rid)
+    _assert_key_order(reqs, p)
 
 
 @settings(max_examples=100, deadline=None)
@@ -287,18 +292,10 @@ def test_several_partial_prefills_complete_in_key_order_within_their_caps(
     assert res.passes < 40_000
     assert res.partial_peak <= p.max_partial and res.long_partial_peak <= max(p.max_long_partial, 1)
     reqs = list(res.requests.values())
-    key = {r.rid: r.arrival_clock + p.age_weight * r.work_tokens for r in reqs}
-    seq = {r.rid: i for i, r in enumerate(reqs)}
     for r in reqs:
         assert r.done_pass is not None, r
         assert r.computed_tokens == r.work_tokens
-    start = {r.rid: (r.active_pass if r.active_pass is not None else r.done_pass) for r in reqs}
-    for r in reqs:
-        for s in reqs:
-            if s is r or (key[s.rid], seq[s.rid]) <= (key[r.rid], seq[r.rid]):
-                continue
-            if s.arrival_pass <= start[r.rid] and r.arrival_pass <= start[s.rid]:
-                assert start[s.rid] >= start[r.rid], (r.rid, s.rid)
+    _assert_key_order(reqs, p)
 
 
 def test_shorts_that_span_several_chunks_no_longer_wait_for_the_whole_long_prefill() -> None:
