@@ -79,7 +79,6 @@ class _State:
             "yields_to_decode": 0,
             "yields_to_short": 0,
             "yields_to_partial": 0,
-            "partials_suspended": 0,
             "partials_resumed": 0,
             "partials_aborted": 0,
             "limited_passes": 0,
@@ -190,6 +189,8 @@ def around_get_new_batch_prefill_raw(original: Callable[..., Any], self: Any, *a
     running_batch = kwargs["running_batch"] if "running_batch" in kwargs else args[1]
     st.counters["passes"] += 1
     pol = st.policy
+    if st.abort_suspended:
+        partials.release_aborted(st, self)
     cr = self.chunked_req
     if pol.active is not None and (cr is None or cr.rid != pol.active.rid):
         # It left without our observing its last chunk (abort or retraction).

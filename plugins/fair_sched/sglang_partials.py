@@ -12,8 +12,9 @@ partially prefilled any more, the suspended one with the smallest key is put bac
 `chunked_req` and continues from `prefix_len`.
 
 An abort of a suspended request (`Scheduler.abort_request` finds it in no queue) is noted here;
-at the next pass the request is put back as `chunked_req` and marked for SGLang's own chunked
-abort (`_pending_chunked_abort_req`), which releases it at the top of the following step.
+at the start of the next pass the request is put in `chunked_req` for a moment and released by
+SGLang's own chunked abort (`process_pending_chunked_abort`: KV, request slot, abort output);
+the scheduler's partial request, if any, is then put back.
 """
 from __future__ import annotations
 
@@ -26,24 +27,14 @@ logger = logging.getLogger("kllm.fair_sched")
 def suspend(st: Any, scheduler: Any, req: Any) -> None:
     """Set the partial request aside for this pass and the ones after (the core already moved its state)."""
     st.suspended_reqs[req.rid] = req
-    st.counters["partials_suspended"] += 1
     scheduler.chunked_req = None
 
 
 def resume(st: Any, scheduler: Any) -> None:
-    """No request is partially prefilled: put a suspended one back as `chunked_req` (an aborted
-    one first, else the smallest key). Requests that finished meanwhile are dropped."""
+    """No request is partially prefilled: put the suspended one with the smallest key back as
+    `chunked_req`. Requests that finished meanwhile are dropped."""
     pol = st.policy
     while scheduler.chunked_req is None and st.suspended_reqs:
-        aborted = next((rid for rid in st.abort_suspended if rid in st.suspended_reqs), None)
-        if aborted is not None:
-            st.abort_suspended.discard(aborted)
-            pol.finish_long(aborted)
-            req = st.suspended_reqs.pop(aborted)
-            scheduler.chunked_req = req
-            scheduler._pending_chunked_abort_req = req  # SGLang's chunked abort takes it from here
-            st.counters["partials_aborted"] += 1
-            return
         state = pol.resume()
         if state is None:  # the core lost track of them (cannot happen): give every one back in turn
             rid = next(iter(st.suspended_reqs))
@@ -56,6 +47,19 @@ def resume(st: Any, scheduler: Any) -> None:
             continue
         scheduler.chunked_req = req
         st.counters["partials_resumed"] += 1
+
+
+def release_aborted(st: Any, scheduler: Any) -> None:
+    """Release the suspended requests an abort named, through SGLang's chunked abort."""
+    current, other = scheduler.chunked_req, scheduler._pending_chunked_abort_req
+    for rid in [r for r in st.abort_suspended if r in st.suspended_reqs]:
+        st.policy.finish_long(rid)
+        req = st.suspended_reqs.pop(rid)
+        scheduler.chunked_req = scheduler._pending_chunked_abort_req = req
+        scheduler.process_pending_chunked_abort()  # it clears both
+        st.counters["partials_aborted"] += 1
+    st.abort_suspended.clear()
+    scheduler.chunked_req, scheduler._pending_chunked_abort_req = current, other
 
 
 def around_abort_request(original: Callable[..., Any], self: Any, recv_req: Any, *args: Any, **kwargs: Any) -> Any:

@@ -219,7 +219,8 @@ def test_several_partial_prefills_let_a_medium_prompt_past_a_long_one() -> None:
             assert got[rid].output_ids == o.output_ids, rid
         assert got["medium"].arrival_s + got["medium"].ttft_s < got["long"].ttft_s
         snap = _wait_stats(fair, "partials_resumed", 1)
-        assert snap["partials_suspended"] >= 1 and snap["partials_resumed"] >= 1 and snap["yields_to_partial"] >= 1
+        # yields_to_partial counts the suspensions
+        assert snap["yields_to_partial"] >= 1 and snap["partials_resumed"] >= 1
         assert snap["recomputed_tokens"] == 0 and snap["suspended_partials"] == 0
 
         # Abort the long prompt while it is suspended behind a 1,500-token one.

@@ -310,7 +310,6 @@ class FairPolicy:
         """Keys of the requests seen by the last `order` call (for `start_long`)."""
         self.suspended: list[LongState] = []
         """Partially prefilled requests set aside for an earlier-key one (`max_partial` > 1)."""
-        self.total_suspends = 0
 
     def key(self, item: WaitingItem) -> tuple[float, float]:
         return order_key(item, self.params)
@@ -423,13 +422,12 @@ class FairPolicy:
             self._yielded(a)
             return PassPlan("yield", yield_to="short", extra_tokens=p.ceil_page(p.short_extra_tokens))
         if not helps and fitted < len(earlier) and turn_over and suspend_ok \
-                and self._may_suspend(a, earlier[fitted]):
+                and self._may_suspend(earlier[fitted]):
             # The first earlier-key request that cannot ride is larger than a whole pass: the
             # active request steps aside (keeping its KV) and this pass may truncate that one.
             self._yielded(a)
             self.suspended.append(a)
             self.active = None
-            self.total_suspends += 1
             return PassPlan("yield", yield_to="partial", extra_tokens=p.ceil_page(p.short_extra_tokens))
         if reserved == 0:
             return PassPlan("run")
@@ -446,15 +444,18 @@ class FairPolicy:
         a.quotas.append(a.quota)
         self.total_yields += 1
 
-    def _may_suspend(self, a: LongState, newcomer: WaitingItem) -> bool:
-        """Room for one more partial prefill (`max_partial`, `max_long_partial`) if `a` steps aside
-        for `newcomer`."""
+    def partials(self) -> tuple[int, int]:
+        """(requests partially prefilled now: the active one and the suspended ones; how many of
+        them are long, i.e. more than `long_threshold` of work)."""
+        both = [x for x in (self.active, *self.suspended) if x is not None]
+        return len(both), sum(1 for x in both if x.work_tokens > self.params.long_threshold)
+
+    def _may_suspend(self, newcomer: WaitingItem) -> bool:
+        """Room for one more partial prefill (`max_partial`, `max_long_partial`) if the active
+        request steps aside for `newcomer`."""
         p = self.params
-        partials = [a, *self.suspended]
-        if len(partials) >= p.max_partial:
-            return False
-        longs = sum(1 for x in partials if x.work_tokens > p.long_threshold)
-        return newcomer.work_tokens <= p.long_threshold or longs < p.max_long_partial
+        n, longs = self.partials()
+        return n < p.max_partial and (newcomer.work_tokens <= p.long_threshold or longs < p.max_long_partial)
 
     def resume(self) -> LongState | None:
         """No request is active: the suspended one with the smallest key becomes active again

@@ -144,9 +144,8 @@ def simulate(
                 req.active_pass = k
             else:
                 req.done_pass = k
-        partials = [x for x in (policy.active, *policy.suspended) if x is not None]
-        peak = max(peak, len(partials))
-        long_peak = max(long_peak, sum(1 for x in partials if x.work_tokens > p.long_threshold))
+        n_partial, n_long = policy.partials()
+        peak, long_peak = max(peak, n_partial), max(long_peak, n_long)
         if not used and decode:
             policy.note_decode(now)  # nothing to prefill: the pass decodes
         elif used:
