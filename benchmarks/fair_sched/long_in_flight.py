@@ -34,7 +34,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from serving import Job, Outcome, run_jobs  # noqa: E402
+from serving import Job, Outcome, parse_variant, run_jobs  # noqa: E402
 
 from kllm_plugins.bench.record import record  # noqa: E402
 from kllm_plugins.bench.schedule import poisson  # noqa: E402
@@ -49,17 +49,8 @@ SHORT_NAMES = {"shortest-prefill-first": "spf"}
 
 
 def parse_variants(specs: Sequence[str]) -> dict[str, Setup]:
-    """`TAG:KEY=V[,KEY=V]` -> setup `fair_sched/TAG`; a KEY without the `KLLM_` prefix is a
-    fair_sched option (`age_weight` -> `KLLM_FAIR_SCHED_AGE_WEIGHT`)."""
-    out: dict[str, Setup] = {}
-    for spec in specs:
-        tag, _, kvs = spec.partition(":")
-        pairs = [kv.partition("=") for kv in kvs.split(",")]
-        if not tag or not all(k.strip() and eq for k, eq, _ in pairs):
-            raise ValueError(f"--variant {spec!r}: want TAG:KEY=V[,KEY=V]")
-        env = {(k if k.startswith("KLLM_") else "KLLM_FAIR_SCHED_" + k).strip().upper(): v for k, _, v in pairs}
-        out[f"fair_sched/{tag}"] = (["fair_sched"], env, "fcfs")
-    return out
+    """`--variant` specs (`serving.parse_variant`) -> setups `fair_sched/TAG` (policy fcfs)."""
+    return {name: (["fair_sched"], env, "fcfs") for name, env in map(parse_variant, specs)}
 
 
 def workload(a: argparse.Namespace, seed: int) -> list[Job]:

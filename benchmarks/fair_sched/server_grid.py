@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import traces as tr  # noqa: E402
 from bench_fair_sched import counters, flush_cache, start_servers, warm_up  # noqa: E402
-from serving import Job, Outcome, run_jobs  # noqa: E402
+from serving import Job, Outcome, parse_variant, run_jobs  # noqa: E402
 
 from kllm_plugins.bench.progress import Progress  # noqa: E402
 from kllm_plugins.bench.record import build_summary, result_path, write_summary  # noqa: E402
@@ -85,12 +85,10 @@ def main() -> None:
     ap.add_argument("--shared", default="shared 2-core, several helpers", help="what shares the machine")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
-    args.variants = {}
-    for v in args.variant:
-        tag, _, kvs = v.partition(":")
-        if not tag or "=" not in kvs:
-            ap.error(f"--variant {v!r}: want TAG:KEY=V[,KEY=V]")
-        args.variants[f"fair_sched/{tag}"] = dict(kv.split("=", 1) for kv in kvs.split(","))
+    try:
+        args.variants = dict(map(parse_variant, args.variant))
+    except ValueError as exc:
+        ap.error(str(exc))
     args.policies = list(args.policies) + [p for p in args.variants if p not in args.policies]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # leave through the ExitStack: servers stop
     from kllm_plugins.models.tiny_llama import tiny_llama_path

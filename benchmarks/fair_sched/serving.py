@@ -51,6 +51,17 @@ def sglang_server(model: str, plugins: Sequence[str] = (), extra_args: Sequence[
     return SGLangServer(model, plugins=plugins, extra_args=extra_args, env=full_env, max_total_tokens=max_total_tokens)
 
 
+def parse_variant(spec: str) -> tuple[str, dict[str, str]]:
+    """`TAG:KEY=V[,KEY=V]` (a benchmark's `--variant`) -> ("fair_sched/TAG", environment); a KEY
+    without the `KLLM_` prefix is a fair_sched option (`age_weight` -> `KLLM_FAIR_SCHED_AGE_WEIGHT`)."""
+    tag, _, kvs = spec.partition(":")
+    pairs = [kv.partition("=") for kv in kvs.split(",")]
+    if not tag or not all(k.strip() and eq for k, eq, _ in pairs):
+        raise ValueError(f"--variant {spec!r}: want TAG:KEY=V[,KEY=V]")
+    return f"fair_sched/{tag}", {(k if k.startswith("KLLM_") else "KLLM_FAIR_SCHED_" + k).strip().upper(): v
+                                 for k, _, v in pairs}
+
+
 @dataclass
 class Job:
     rid: str
