@@ -2,15 +2,18 @@
 fair_sched on the fair-scheduling trace family (benchmarks/fair_sched/traces.py), on SGLang
 (kllm_cuda, 8B-shaped random bf16 model, CUDA graphs on) at chunk sizes 2048 and 8192.
 
-The trace's lengths are drawn in chunks of 2048 tokens (`--trace bursty`: issue 27's losing trace,
-90% of 0.25-2 chunks, 10% of 12-24 chunks, on/off arrivals), cut at `--max-prompt` (the random
-model's KV pool on a GPU shared by five servers), and the same requests are replayed at both chunk
-sizes. Per chunk size: one server per policy, all up at once; capacity measured on fcfs (a burst
-of the trace's requests at once), the load a fraction of it; each seed runs the policies in order,
+The trace's lengths are drawn in chunks of 2048 tokens (`--traces bursty lognormal ...`; `bursty`
+is issue 27's losing trace: 90% of 0.25-2 chunks, 10% of 12-24 chunks, on/off arrivals), cut at
+`--max-prompt` (the random model's KV pool on a GPU shared by five servers), and the same requests
+are replayed at both chunk sizes. Per chunk size: one server per policy, all up at once; per
+trace, capacity measured on fcfs (a burst of the trace's requests at once), the load a fraction of
+it; each seed runs the policies in order,
 the next seed in reverse (ABBA); the prefix cache is flushed before every run. Streaming client:
 benchmarks/fair_sched/serving.py; summaries: benchmarks/fair_sched/workload.py.
 
-    python benchmarks/gpu/fair_sched_gpu.py --chunks 2048 8192 --requests 40 --out F.json [--cpu-dry-run]
+    python benchmarks/gpu/fair_sched_gpu.py --chunks 2048 8192 --traces bursty mooncake --requests 40 --out F.json [--cpu-dry-run]
+
+Five 8B-shaped servers need an H200 (141 GB); `--layers 16` fits them on an 80 GB H100.
 """
 from __future__ import annotations
 
@@ -57,7 +60,7 @@ def fair_counters(srv: Any) -> dict[str, float]:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--chunks", type=int, nargs="+", default=[2048, 8192])
-    ap.add_argument("--trace", default="bursty")
+    ap.add_argument("--traces", nargs="+", default=["bursty"], help="traces of traces.py, run in turn on the same servers")
     ap.add_argument("--trace-chunk", type=int, default=2048, help="the trace's lengths are in chunks of this size")
     ap.add_argument("--requests", type=int, default=40)
     ap.add_argument("--load", type=float, default=0.8)
@@ -68,13 +71,16 @@ def main() -> int:
     ap.add_argument("--out-tokens", type=int, nargs=2, default=[32, 128])
     ap.add_argument("--mem-fraction", type=float, default=0.9)
     ap.add_argument("--policies", nargs="+", default=list(POLICIES))
+    ap.add_argument("--layers", type=int, default=0,
+                    help="hidden layers of the 8B-width model (0: 32, the 8B shape); fewer fit five servers on an 80 GB card")
     ap.add_argument("--cpu-dry-run", action="store_true")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
-    setup = Setup(a.cpu_dry_run, max_positions=max(8192, a.max_prompt + 1024))
+    shape = {"num_hidden_layers": a.layers} if a.layers else {}
+    setup = Setup(a.cpu_dry_run, max_positions=max(8192, a.max_prompt + 1024), **shape)
     scale = Scale(f"gpu{a.trace_chunk}", a.trace_chunk, a.max_prompt, a.out_tokens[0], a.out_tokens[1], 1 / 4, 14.0)
     res = header("benchmarks/gpu/fair_sched_gpu.py", "python " + " ".join(sys.argv), setup,
-                 {"trace": a.trace, "trace_chunk": a.trace_chunk, "max_prompt": a.max_prompt, "requests": a.requests,
+                 {"traces": a.traces, "layers": a.layers or 32, "trace_chunk": a.trace_chunk, "max_prompt": a.max_prompt, "requests": a.requests,
                   "load": a.load, "seeds": a.seeds, "chunks": a.chunks, "policies": a.policies,
                   "pool_tokens": a.pool_tokens, "output_tokens": a.out_tokens,
                   "long": f">= 8 x {a.trace_chunk} prompt tokens"})
@@ -97,16 +103,11 @@ def main() -> int:
             t0 = time.perf_counter()
             start_all(list(servers.values()))
             log("fair", f"chunk {chunk}: {len(servers)} servers up in {time.perf_counter() - t0:.0f} s")
-            warm = make(a.trace, scale, 6, 97)
+            warm = make(a.traces[0], scale, 6, 97)
             with ThreadPoolExecutor(len(servers)) as pool:  # warm-up at once: Triton kernels, graphs
                 list(pool.map(lambda kv: run_jobs(kv[1].base_url, jobs_of(warm, 0.0, "warm", a.trace_chunk, "warm")),
                               servers.items()))
             base = servers.get("fcfs") or next(iter(servers.values()))
-            cal_reqs = make(a.trace, scale, a.cal_requests, 99)
-            flush(base)
-            t0 = time.perf_counter()
-            run_jobs(base.base_url, jobs_of(cal_reqs, 0.0, "cal", a.trace_chunk, "cal"))
-            capacity = a.cal_requests / (time.perf_counter() - t0)
             lo, hi = 12 * a.trace_chunk, min(24 * a.trace_chunk, a.max_prompt)
             solo = {}
             for n in (lo, hi):
@@ -115,80 +116,115 @@ def main() -> int:
                                                        "long")])[0].ttft_s
             slope = (solo[hi] - solo[lo]) / (hi - lo) if hi > lo else 0.0
             solo_fn = lambda n: max(solo[lo] + slope * (n - lo), 1e-3)  # noqa: E731
-            res["calibration"][str(chunk)] = {"capacity_req_s": capacity, "solo_long_ttft_s": {str(k): v for k, v in solo.items()}}
-            log("fair", f"chunk {chunk}: capacity {capacity:.2f} req/s, solo long TTFT {solo}")
-            rate = a.load * capacity
-            for seed in range(a.seeds):
-                reqs = make(a.trace, scale, a.requests, seed)
-                order = list(a.policies) if seed % 2 == 0 else list(a.policies)[::-1]
-                for p in order:
-                    srv = servers[p]
-                    flush(srv)
-                    before = fair_counters(srv) if p == "fair_sched" else {}
-                    t0 = time.perf_counter()
-                    try:
-                        outs = run_jobs(srv.base_url, jobs_of(reqs, rate, f"s{seed}", a.trace_chunk, f"{p}-{seed}"))
-                    except Exception as exc:  # noqa: BLE001 - recorded with the server's state; the others go on
-                        alive = (srv.proc is not None and srv.proc.poll() is None
-                                 and not srv.grep_log(r"Scheduler hit an exception|SIGQUIT received"))
-                        res.setdefault("errors", []).append({"chunk": chunk, "policy": p, "seed": seed, "error": repr(exc)[:500],
-                                                             "server_alive": alive, "log_tail": srv.log_tail(40)[-4000:]})
-                        write(a.out, res)
-                        log("fair", f"chunk {chunk} {p} s{seed}: FAILED {exc!r} (server alive: {alive})")
-                        continue
-                    wall = time.perf_counter() - t0
-                    row = {"chunk": chunk, "policy": p, "seed": seed, "rate_req_s": rate, "requests": len(outs),
-                           **summarize(outs, wall, solo_fn)}
-                    if before:
-                        after = fair_counters(srv)
-                        row["fair_sched_counters"] = {k: after.get(k, 0) - before.get(k, 0) for k in COUNTERS}
-                    res["runs"].append(row)
-                    write(a.out, res)
-                    log("fair", f"[{time.perf_counter() - t_start:.0f}s] chunk {chunk} {p} s{seed}: ttft mean "
-                        f"{row['ttft_s']['mean']:.2f} p90 {row['ttft_s']['p90']:.2f} p99 {row['ttft_s']['p99']:.2f}; short p90 "
-                        f"{row['ttft_short_s'].get('p90', float('nan')):.2f}; long mean "
-                        f"{row['ttft_long_s'].get('mean', float('nan')):.2f}; tpot {1e3 * row['tpot_s']['mean']:.1f} ms; "
-                        f"thr {row['throughput_req_s']:.2f} req/s {row.get('fair_sched_counters', '')}")
+            for trace in a.traces:
+                cal_reqs = make(trace, scale, a.cal_requests, 99)
+                flush(base)
+                t0 = time.perf_counter()
+                run_jobs(base.base_url, jobs_of(cal_reqs, 0.0, "cal", a.trace_chunk, "cal"))
+                capacity = a.cal_requests / (time.perf_counter() - t0)
+                res["calibration"][f"{trace}@{chunk}"] = {"capacity_req_s": capacity,
+                                                          "solo_long_ttft_s": {str(k): v for k, v in solo.items()}}
+                log("fair", f"{trace} chunk {chunk}: capacity {capacity:.2f} req/s, solo long TTFT {solo}")
+                for seed in range(a.seeds):
+                    reqs = make(trace, scale, a.requests, seed)
+                    order = list(a.policies) if seed % 2 == 0 else list(a.policies)[::-1]
+                    for p in order:
+                        run_one(a, res, servers[p], p, trace, chunk, seed, reqs, a.load * capacity, solo_fn, t_start)
         finally:
             for srv in servers.values():
                 srv.stop()
-    res["metrics"] = metrics(res["runs"], a.chunks, a.policies)
+    res["metrics"] = metrics(res["runs"])
     write(a.out, res)
     return 0
 
 
-def metrics(runs: list[dict[str, Any]], chunks: list[int], policies: list[str]) -> dict[str, Any]:
-    """Per chunk and policy: the medians over seeds of each figure (min/max beside), and each
-    figure's ratio to fcfs (policy / fcfs; below 1 is better for TTFT and TPOT)."""
+def run_one(a: Any, res: dict[str, Any], srv: Any, p: str, trace: str, chunk: int, seed: int, reqs: list[Any],
+            rate: float, solo_fn: Any, t_start: float) -> None:
+    """One policy's run of one seed of one trace; a failure is recorded with the server's state."""
+    flush(srv)
+    before = fair_counters(srv) if p == "fair_sched" else {}
+    t0 = time.perf_counter()
+    try:
+        outs = run_jobs(srv.base_url, jobs_of(reqs, rate, f"s{seed}", a.trace_chunk, f"{p}-{seed}"))
+    except Exception as exc:  # noqa: BLE001 - recorded with the server's state; the others go on
+        alive = (srv.proc is not None and srv.proc.poll() is None
+                 and not srv.grep_log(r"Scheduler hit an exception|SIGQUIT received"))
+        res.setdefault("errors", []).append({"trace": trace, "chunk": chunk, "policy": p, "seed": seed,
+                                             "error": repr(exc)[:500], "server_alive": alive,
+                                             "log_tail": srv.log_tail(40)[-4000:]})
+        write(a.out, res)
+        log("fair", f"{trace} chunk {chunk} {p} s{seed}: FAILED {exc!r} (server alive: {alive})")
+        return
+    wall = time.perf_counter() - t0
+    row = {"trace": trace, "chunk": chunk, "policy": p, "seed": seed, "rate_req_s": rate, "requests": len(outs),
+           **summarize(outs, wall, solo_fn)}
+    if before:
+        after = fair_counters(srv)
+        row["fair_sched_counters"] = {k: after.get(k, 0) - before.get(k, 0) for k in COUNTERS}
+    res["runs"].append(row)
+    res["metrics"] = metrics(res["runs"])
+    write(a.out, res)
+    log("fair", f"[{time.perf_counter() - t_start:.0f}s] {trace} chunk {chunk} {p} s{seed}: ttft mean "
+        f"{row['ttft_s']['mean']:.2f} p90 {row['ttft_s']['p90']:.2f} p99 {row['ttft_s']['p99']:.2f}; short p90 "
+        f"{row['ttft_short_s'].get('p90', float('nan')):.2f}; long mean "
+        f"{row['ttft_long_s'].get('mean', float('nan')):.2f}; tpot {1e3 * row['tpot_s']['mean']:.1f} ms; "
+        f"thr {row['throughput_req_s']:.2f} req/s {row.get('fair_sched_counters', '')}")
+
+
+STOCK = ("fcfs", "lpm", "shortest-prefill-first", "hrrn")
+
+
+def metrics(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per `trace@chunk` and policy: the mean over seeds of each figure (min/max beside), its ratio
+    to fcfs (below 1 is better for TTFT and TPOT), and fair_sched's targets of issue 27 on seed
+    means (mean and short P90 against the best stock policy, the rest against fcfs)."""
     import statistics
 
     out: dict[str, Any] = {}
-    for chunk in chunks:
+    for cell_key in sorted({f"{r.get('trace', 'bursty')}@{r['chunk']}" for r in runs}):
         cell: dict[str, Any] = {}
-        for p in policies:
-            rs = [r for r in runs if r["chunk"] == chunk and r["policy"] == p]
+        for p in dict.fromkeys(r["policy"] for r in runs):
+            rs = [r for r in runs if f"{r.get('trace', 'bursty')}@{r['chunk']}" == cell_key and r["policy"] == p]
             if not rs:
                 continue
-            fig: dict[str, Any] = {}
-            for key in KEYS:
-                for q in ("mean", "p50", "p90", "p99"):
-                    vals = [r[key][q] for r in rs if q in r[key]]
-                    if vals:
-                        fig[f"{key}_{q}"] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
-            for key, sub in (("tpot_s", "mean"), ("long_ttft_over_solo", "max")):
-                vals = [r[key][sub] for r in rs]
-                fig[f"{key}_{sub}"] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
+            fig: dict[str, Any] = {"seeds": len(rs)}
+            picks = [(f"{k}_{q}", k, q) for k in KEYS for q in ("mean", "p50", "p90", "p99")]
+            picks += [("tpot_s_mean", "tpot_s", "mean"), ("long_ttft_over_solo_max", "long_ttft_over_solo", "max")]
+            for name, key, q in picks:
+                vals = [r[key][q] for r in rs if q in r.get(key, {})]
+                if vals:
+                    fig[name] = {"mean": statistics.fmean(vals), "min": min(vals), "max": max(vals)}
             vals = [r["throughput_req_s"] for r in rs]
-            fig["throughput_req_s"] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
+            fig["throughput_req_s"] = {"mean": statistics.fmean(vals), "min": min(vals), "max": max(vals)}
             cell[p] = fig
         if "fcfs" in cell:
             for p, fig in cell.items():
                 if p != "fcfs":
-                    fig["vs_fcfs"] = {k: fig[k]["median"] / cell["fcfs"][k]["median"] for k in fig
-                                      if k in cell["fcfs"] and cell["fcfs"][k]["median"] > 0}
-        out[str(chunk)] = cell
+                    fig["vs_fcfs"] = {k: fig[k]["mean"] / cell["fcfs"][k]["mean"] for k in fig
+                                      if isinstance(fig[k], dict) and k in cell["fcfs"] and cell["fcfs"][k]["mean"] > 0}
+            if "fair_sched" in cell:
+                cell["targets"] = targets(cell)
+        out[cell_key] = cell
     return out
 
+
+def targets(cell: dict[str, Any]) -> dict[str, Any]:
+    """Issue 27's targets for fair_sched in one cell (seed means); stock policies whose runs failed are left out."""
+    def m(p: str, k: str) -> float:
+        return cell[p][k]["mean"]
+
+    stock = [p for p in STOCK if p in cell]
+    best = min(stock, key=lambda p: m(p, "ttft_s_mean"))
+    best_sp90 = min(stock, key=lambda p: m(p, "ttft_short_s_p90"))
+    f = cell["fair_sched"]["vs_fcfs"]
+    rows = {"mean <= best stock": (m("fair_sched", "ttft_s_mean") / m(best, "ttft_s_mean"), 1.0, best),
+            "short p90 <= best stock": (m("fair_sched", "ttft_short_s_p90") / m(best_sp90, "ttft_short_s_p90"), 1.0, best_sp90),
+            "p99 <= fcfs": (f["ttft_s_p99"], 1.0, "fcfs"),
+            "long mean <= 1.25x fcfs": (f.get("ttft_long_s_mean", float("nan")), 1.25, "fcfs"),
+            "tpot <= 1.3x fcfs": (f["tpot_s_mean"], 1.3, "fcfs"),
+            "throughput >= 0.98x fcfs": (f["throughput_req_s"], 0.98, "fcfs")}
+    return {k: {"value": round(v, 3), "target": t, "against": who, "met": (v >= t) if "throughput" in k else (v <= t)}
+            for k, (v, t, who) in rows.items()}
 
 if __name__ == "__main__":
     sys.exit(main())
