@@ -104,9 +104,22 @@ def main() -> int:
             start_all(list(servers.values()))
             log("fair", f"chunk {chunk}: {len(servers)} servers up in {time.perf_counter() - t0:.0f} s")
             warm = make(a.traces[0], scale, 6, 97)
+
+            def warm_up(kv: tuple[str, Any]) -> str | None:
+                try:
+                    run_jobs(kv[1].base_url, jobs_of(warm, 0.0, "warm", a.trace_chunk, "warm"))
+                    return None
+                except Exception as exc:  # noqa: BLE001 - a server that dies here is recorded and left out
+                    return repr(exc)[:500]
+
             with ThreadPoolExecutor(len(servers)) as pool:  # warm-up at once: Triton kernels, graphs
-                list(pool.map(lambda kv: run_jobs(kv[1].base_url, jobs_of(warm, 0.0, "warm", a.trace_chunk, "warm")),
-                              servers.items()))
+                failed = dict(zip(servers, pool.map(warm_up, servers.items())))
+            for p, err in failed.items():
+                if err is not None:
+                    srv = servers.pop(p)
+                    res.setdefault("errors", []).append({"chunk": chunk, "policy": p, "phase": "warm-up", "error": err,
+                                                         "log_tail": srv.log_tail(40)[-4000:]})
+                    log("fair", f"chunk {chunk} {p}: warm-up FAILED {err} (left out)")
             base = servers.get("fcfs") or next(iter(servers.values()))
             lo, hi = 12 * a.trace_chunk, min(24 * a.trace_chunk, a.max_prompt)
             solo = {}
@@ -128,7 +141,7 @@ def main() -> int:
                 for seed in range(a.seeds):
                     reqs = make(trace, scale, a.requests, seed)
                     order = list(a.policies) if seed % 2 == 0 else list(a.policies)[::-1]
-                    for p in order:
+                    for p in [p for p in order if p in servers]:
                         run_one(a, res, servers[p], p, trace, chunk, seed, reqs, a.load * capacity, solo_fn, t_start)
         finally:
             for srv in servers.values():
