@@ -119,6 +119,7 @@ def main() -> int:
                     srv = servers.pop(p)
                     res.setdefault("errors", []).append({"chunk": chunk, "policy": p, "phase": "warm-up", "error": err,
                                                          "log_tail": srv.log_tail(40)[-4000:]})
+                    srv.stop()
                     log("fair", f"chunk {chunk} {p}: warm-up FAILED {err} (left out)")
             base = servers.get("fcfs") or next(iter(servers.values()))
             lo, hi = 12 * a.trace_chunk, min(24 * a.trace_chunk, a.max_prompt)
