@@ -175,6 +175,8 @@ class FairSingle:
 
     def __init__(self, params: QuotaParams, mixed: bool = False) -> None:
         self.pol = FairPolicy(params)
+        self.suspended: dict[str, Req] = {}
+        """Partially prefilled requests set aside (`max_partial_prefills` > 1), by rid."""
         self.mixed = mixed
         """SGLang's mixed chunk (`mixed_decode`): running requests decode one token in every
         prefill pass, each taking one token of the pass budget."""
@@ -186,15 +188,28 @@ class FairSingle:
         c = e.partial[0] if e.partial else None
         if pol.active is not None and (c is None or str(c.rid) != pol.active.rid):
             pol.active = None
+        if c is None and self.suspended:
+            # `max_partial_prefills` > 1: no request is partial, the suspended one with the smallest key resumes
+            back = pol.resume()
+            c = self.suspended.pop(back.rid) if back is not None else None
+            if c is not None:
+                e.partial.append(c)
         plan = pol.plan(items, bool(e.running), now=e.t, running_reqs=len(e.running))
         if plan.action == "yield" and plan.yield_to == "decode":
             return None
+        suspending = plan.action == "yield" and plan.yield_to == "partial"
+        if suspending and c is not None:
+            # it keeps its progress (KV) aside; this pass may truncate the earlier-key newcomer
+            e.partial.remove(c)
+            self.suspended[str(c.rid)] = c
+            c = None
         if plan.action == "admit":
             plan = None
         rows: list[tuple[Req, int]] = []
         budget = max(e.chunk - len(e.running), 1) if self.mixed else e.chunk
-        parked = plan is not None and plan.action == "yield"
-        slot_free = c is None
+        parked = plan is not None and plan.action == "yield" and not suspending
+        # with requests suspended, a new partial prefill starts only on the pass planned for it
+        slot_free = c is None and (suspending or not self.suspended)
         if c is not None and not parked:
             cap = budget if plan is None or plan.long_limit is None else min(budget, plan.long_limit)
             take = min(c.rem, cap)

@@ -1,0 +1,36 @@
+"""The simulated engine's fair_sched with several partial prefills (`max_partial_prefills`), as the
+adapter runs it inside SGLang: a larger earlier-key request suspends the partial one, which resumes
+where it stopped; every request computes exactly its own prompt."""
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Callable
+
+import pytest
+
+
+def _run(bench_module: Callable[[str, str], ModuleType], max_partial: int) -> list:
+    se = bench_module("fair_sched", "sim_engine")
+    tr = bench_module("fair_sched", "traces")
+    grid = bench_module("fair_sched", "grid")
+    cfg = grid.config_from([f"max_partial_prefills={max_partial}"])
+    # One 4,000-token prompt first; two mediums larger than a whole pass (budget 128 + riders' 384)
+    # and a few shorts arrive while it prefills.
+    trace = [tr.TraceRequest(0.0, 4000, 8, ()), tr.TraceRequest(0.3, 700, 8, ()), tr.TraceRequest(0.35, 900, 8, ()),
+             *(tr.TraceRequest(0.4 + 0.05 * i, 60, 8, ()) for i in range(4))]
+    pol = se.make_policy("fair_sched", 128, cfg)
+    reqs = se.simulate(trace, 1.0, pol, 128, se.COSTS["cpu"])
+    assert all(r.done == r.work for r in reqs), [(r.rid, r.done, r.work) for r in reqs]
+    assert all(r.tokens == r.out for r in reqs)
+    assert not pol.suspended and not pol.pol.suspended and pol.pol.active is None
+    return reqs
+
+
+@pytest.mark.parametrize("max_partial", [1, 2])
+def test_mediums_overtake_a_long_prefill_only_with_several_partial_prefills(
+        bench_module: Callable[[str, str], ModuleType], max_partial: int) -> None:
+    reqs = _run(bench_module, max_partial)
+    long_, mediums, shorts = reqs[0], reqs[1:3], reqs[3:]
+    before = [m.first_s < long_.first_s for m in mediums]
+    assert before == ([True, True] if max_partial == 2 else [False, False])
+    assert all(s.first_s < long_.first_s for s in shorts)  # riders, either way
