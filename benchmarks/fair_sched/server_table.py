@@ -1,7 +1,8 @@
-"""The real-server policy grid's table in docs/fair_sched.md, built from the summaries that
-`server_grid.py` records (`benchmarks/results/fair_sched/server_<trace>_<chunk>.json`): one row per
-trace, chunk and load, fair_sched's ratio of seed means to the best stock policy (mean TTFT,
-short-prompt P90) and to fcfs (the rest), `*` on a missed target.
+"""The policy grids' tables in docs/fair_sched.md, built from the recorded summaries: the
+real-server grid of `server_grid.py` (`benchmarks/results/fair_sched/server_<trace>_<chunk>.json`,
+one row per trace, chunk and load) and the GPU rows of `benchmarks/gpu/fair_sched_gpu.py`
+(`gpu_*.json`, one row per trace and chunk): fair_sched's ratio of seed means to the best stock
+policy (mean TTFT, short-prompt P90) and to fcfs (the rest), `*` on a missed target.
 
     python benchmarks/fair_sched/server_table.py           # print the table
     python benchmarks/fair_sched/server_table.py --write   # rewrite it in docs/fair_sched.md
@@ -55,10 +56,37 @@ def table(folder: Path = RESULTS) -> str:
     return "\n".join(head + body) + "\n"
 
 
+def gpu_table(folder: Path = RESULTS) -> str:
+    """One row per trace and chunk of the GPU runs; stock servers that died are named."""
+    head = ["| trace | chunk | load | requests | seeds | GPU | best stock (mean) | "
+            + " | ".join(h for _, h in COLUMNS) + " | TPOT vs fcfs: SPF / hrrn | stock servers that exited |",
+            "|" + "---|" * (len(COLUMNS) + 9)]
+    body: list[tuple[str, int, str]] = []
+    for path in sorted(folder.glob("gpu_*.json")):
+        d = json.loads(path.read_text(encoding="utf-8"))
+        s = d["settings"]
+        for key, cell in sorted(d["metrics"].items(), key=lambda kv: (kv[0].split("@")[0], int(kv[0].split("@")[1]))):
+            trace, chunk = key.split("@")
+            if "targets" not in cell:
+                continue
+            t = cell["targets"]
+            died = sorted({e["policy"] for e in d.get("errors") or [] if str(e["chunk"]) == chunk})
+            marks = [("-" if t[k]["value"] != t[k]["value"] else f"{t[k]['value']:.2f}" + ("" if t[k]["met"] else " *"))
+                     for k, _ in COLUMNS]
+            stock_tpot = " / ".join(f"{cell[p]['vs_fcfs']['tpot_s_mean']:.2f}" if p in cell else "-"
+                                    for p in ("shortest-prefill-first", "hrrn"))
+            body.append((trace, int(chunk), f"| {trace} | {chunk} | {s['load']} | {s['requests']} | "
+                         f"{cell['fair_sched']['seeds']} | {d['machine']['gpu'].replace('NVIDIA ', '')} | "
+                         f"{t['mean <= best stock']['against']} | " + " | ".join(marks)
+                         + f" | {stock_tpot} | {', '.join(died) or '-'} |"))
+    return "\n".join(head + [row for _, _, row in sorted(body)]) + "\n"
+
+
 def render(doc_text: str, folder: Path = RESULTS) -> str:
-    """`doc_text` with its generated server-grid block rewritten (one-line error without markers)."""
-    return replace_generated(doc_text, "server-grid", table(folder), "python benchmarks/fair_sched/server_table.py "
-                             "--write", "docs/fair_sched.md")
+    """`doc_text` with its generated server-grid and gpu-grid blocks rewritten (one-line error without markers)."""
+    cmd = "python benchmarks/fair_sched/server_table.py --write"
+    text = replace_generated(doc_text, "server-grid", table(folder), cmd, "docs/fair_sched.md")
+    return replace_generated(text, "gpu-grid", gpu_table(folder), cmd, "docs/fair_sched.md")
 
 
 def main() -> int:
@@ -66,7 +94,7 @@ def main() -> int:
     ap.add_argument("--write", action="store_true", help="rewrite the table in docs/fair_sched.md")
     a = ap.parse_args()
     if not a.write:
-        sys.stdout.write(table())
+        sys.stdout.write(table() + "\n" + gpu_table())
         return 0
     text = DOC.read_text(encoding="utf-8")
     new = render(text)

@@ -1,0 +1,52 @@
+"""The fair_sched GPU rows: targets on seed means per trace and chunk (best stock among the servers
+that ran), and the docs table built from the recorded files."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable
+
+import pytest
+
+
+def _run(trace: str, chunk: int, policy: str, seed: int, mean: float, p99: float, tpot: float = 0.02,
+         thr: float = 1.0) -> dict[str, Any]:
+    q = {"mean": mean, "p50": mean, "p90": mean, "p99": p99}
+    return {"trace": trace, "chunk": chunk, "policy": policy, "seed": seed, "ttft_s": q, "ttft_short_s": q,
+            "ttft_long_s": {"mean": p99}, "tpot_s": {"mean": tpot}, "long_ttft_over_solo": {"max": 1.0},
+            "throughput_req_s": thr}
+
+
+def test_targets_use_seed_means_and_the_best_stock_policy_that_ran(
+        bench_module: Callable[[str, str], ModuleType]) -> None:
+    g = bench_module("gpu", "fair_sched_gpu")
+    runs = [_run("t", 2048, "fcfs", s, 4.0, 10.0) for s in (0, 1)]
+    runs += [_run("t", 2048, "hrrn", 0, 2.0, 11.0), _run("t", 2048, "hrrn", 1, 4.0, 11.0)]  # seed mean 3.0
+    runs += [_run("t", 2048, "fair_sched", 0, 3.0, 12.0, tpot=0.03, thr=0.97), _run("t", 2048, "fair_sched", 1, 2.4, 8.0)]
+    runs += [_run("u", 8192, "fcfs", 0, 1.0, 1.0)]  # no fair_sched there: no targets
+    m = g.metrics(runs)
+    assert set(m) == {"t@2048", "u@8192"} and "targets" not in m["u@8192"]
+    t = m["t@2048"]["targets"]
+    assert t["mean <= best stock"]["against"] == "hrrn" and t["mean <= best stock"]["value"] == pytest.approx(0.9)
+    assert t["mean <= best stock"]["met"]
+    assert t["p99 <= fcfs"]["value"] == pytest.approx(1.0) and t["p99 <= fcfs"]["met"]
+    assert t["tpot <= 1.3x fcfs"]["value"] == pytest.approx(1.25)
+    assert t["throughput >= 0.98x fcfs"]["value"] == pytest.approx(0.985) and t["throughput >= 0.98x fcfs"]["met"]
+    assert m["t@2048"]["fair_sched"]["seeds"] == 2
+
+
+def test_gpu_table_rows_are_sorted_and_name_stock_servers_that_exited(
+        bench_module: Callable[[str, str], ModuleType], tmp_path: Path) -> None:
+    g = bench_module("gpu", "fair_sched_gpu")
+    st = bench_module("fair_sched", "server_table")
+    runs = [_run(tr, 8192 if tr == "b" else 2048, p, 0, m, m) for tr in ("b", "a")
+            for p, m in (("fcfs", 4.0), ("hrrn", 2.0), ("fair_sched", 3.0))]
+    doc = {"settings": {"load": 0.8, "requests": 30}, "machine": {"gpu": "NVIDIA H200"}, "metrics": g.metrics(runs),
+           "errors": [{"chunk": 8192, "policy": "shortest-prefill-first", "error": "x"}]}
+    (tmp_path / "gpu_x.json").write_text(json.dumps(doc))
+    lines = st.gpu_table(tmp_path).splitlines()
+    assert [ln.split(" | ")[0:2] for ln in lines[2:]] == [["| a", "2048"], ["| b", "8192"]]
+    a, b = (ln.split(" | ") for ln in lines[2:])
+    assert a[5] == "H200" and a[6] == "hrrn" and a[7] == "1.50 *" and a[-1] == "- |"
+    assert b[-1] == "shortest-prefill-first |"
