@@ -81,7 +81,7 @@ def main() -> int:
     scale = Scale(f"gpu{a.trace_chunk}", a.trace_chunk, a.max_prompt, a.out_tokens[0], a.out_tokens[1], 1 / 4, 14.0)
     res = header("benchmarks/gpu/fair_sched_gpu.py", "python " + " ".join(sys.argv), setup,
                  {"traces": a.traces, "layers": a.layers or 32, "trace_chunk": a.trace_chunk, "max_prompt": a.max_prompt, "requests": a.requests,
-                  "load": a.load, "seeds": a.seeds, "chunks": a.chunks, "policies": a.policies,
+                  "load": a.load, "seeds": a.seeds, "chunks": a.chunks, "policies": a.policies, "cal_requests": a.cal_requests,
                   "pool_tokens": a.pool_tokens, "output_tokens": a.out_tokens,
                   "long": f">= 8 x {a.trace_chunk} prompt tokens"})
     res["runs"], res["calibration"] = [], {}

@@ -1,0 +1,48 @@
+"""The simulated replay of fair_sched's GPU cells: it reads the recorded cells as the GPU harness ran
+them, replays the very requests the GPU saw, and the docs tables are the ones built from its summary."""
+from __future__ import annotations
+
+import json
+from types import ModuleType
+from typing import Callable
+
+from kllm_plugins.bench.record import result_path
+
+
+def test_cells_carry_the_harness_settings_and_measured_ratios(bench_module: Callable[[str, str], ModuleType]) -> None:
+    sc = bench_module("fair_sched", "sim_gpu_replay")
+    cells = {f"{c['trace']}@{c['chunk']}": c for c in sc.gpu_cells()}
+    assert "bursty@2048" in cells and "lognormal@8192" in cells
+    old, new = cells["bursty@2048"], cells["lognormal@8192"]
+    assert old["cal_requests"] == 24 and new["cal_requests"] == 16  # the default; then the command's flag
+    assert old["requests"] == 40 and new["requests"] == 30 and new["load"] == 0.8
+    recorded = json.loads((sc.RESULTS / new["file"]).read_text())["metrics"]["lognormal@8192"]["targets"]
+    assert new["gpu"]["p99 <= fcfs"] == recorded["p99 <= fcfs"]["value"]
+
+
+def test_the_model_replays_the_requests_the_gpu_saw(bench_module: Callable[[str, str], ModuleType]) -> None:
+    sc = bench_module("fair_sched", "sim_gpu_replay")
+    tr = bench_module("fair_sched", "traces")
+    c = next(c for c in sc.gpu_cells() if c["trace"] == "issue")
+    scale = tr.Scale("gpu2048", 2048, c["max_prompt"], *c["out_tokens"], 1 / 4, 14.0)
+    recorded = json.loads((sc.RESULTS / c["file"]).read_text())
+    fcfs = [r for r in recorded["runs"] if r["trace"] == "issue" and r["policy"] == "fcfs"][0]
+    # the GPU run's output tokens are the trace's (same seed, same scale), so the model's trace is the GPU's
+    reqs = tr.make("issue", scale, c["requests"], 0)
+    assert sum(r.output_len for r in reqs) == round(fcfs["output_tok_s"] * fcfs["wall_s"])
+    assert sum(r.output_len for r in tr.make("issue", scale, c["requests"], 1)) != sum(r.output_len for r in reqs)
+
+
+def test_met_reads_each_target_its_way(bench_module: Callable[[str, str], ModuleType]) -> None:
+    sc = bench_module("fair_sched", "sim_gpu_replay")
+    assert sc._met("tpot <= 1.3x fcfs", 1.29) and not sc._met("tpot <= 1.3x fcfs", 1.31)
+    assert sc._met("throughput >= 0.98x fcfs", 0.98) and not sc._met("throughput >= 0.98x fcfs", 0.97)
+    assert sc._met("long mean <= 1.25x fcfs", float("nan"))  # no long prompt: nothing to miss
+    assert sc._flag("python x.py --cal-requests 16 --out f", "--cal-requests", "24") == "16"
+
+
+def test_doc_tables_are_current(bench_module: Callable[[str, str], ModuleType]) -> None:
+    sc = bench_module("fair_sched", "sim_gpu_replay")
+    summary = json.loads(result_path("fair_sched", "sim_gpu_replay").read_text())
+    text = sc.DOC.read_text(encoding="utf-8")
+    assert sc.render(text, summary) == text, "run: python benchmarks/fair_sched/sim_gpu_replay.py --write-doc"
