@@ -35,6 +35,8 @@ from kllm_plugins.bench.stats import quantile  # noqa: E402
 POLICIES = ("fcfs", "lpm", "shortest-prefill-first", "hrrn", "fair_sched")
 STOCK = POLICIES[:-1]
 METRICS = ("mean", "p90", "p99", "short_p90", "long_mean", "tpot", "throughput", "retract_logs")
+# what SGLang's log says when a scheduler dies (its chunk overcommit ends in "Out of memory")
+SERVER_DEATH = r"Out of memory|Try to allocate|Available full tokens|Scheduler hit an exception"
 # SGLang's log line when decode finds the KV pool full and sends running requests back to the queue
 RETRACT_LOG = r"KV cache pool is full\. Retract requests"
 
@@ -99,6 +101,8 @@ def main() -> None:
     outputs: dict[tuple[float, int, str], dict[str, list[int]]] = {}
     fair_counters: dict[str, float] = {}
     seen_retracts: dict[str, int] = {}
+    exited: dict[str, dict[str, Any]] = {}
+    """Policies whose server died mid-run (SGLang's own errors, e.g. its chunk overcommit): left out."""
     with ExitStack() as stack:
         servers = start_servers(stack, args.policies, args, str(tiny_llama_path()))
         for name, srv in servers.items():
@@ -111,14 +115,21 @@ def main() -> None:
         bar = Progress(args.seeds * len(args.policies) * len(args.loads), f"{args.trace} grid")
         for seed in range(args.seeds):
             order = list(args.policies) if seed % 2 == 0 else list(reversed(args.policies))
-            for policy in order:
+            for policy in [p for p in order if p not in exited]:
                 srv = servers[policy]
                 for load in args.loads:
                     jobs = jobs_for(args.trace, args.requests, load * capacity, seed, long_tokens, f"l{load}")
                     flush_cache(srv)
                     before = counters(srv) if policy == "fair_sched" else {}
                     t0 = time.perf_counter()
-                    outs = run_jobs(srv.base_url, jobs)
+                    try:
+                        outs = run_jobs(srv.base_url, jobs)
+                    except Exception as exc:  # noqa: BLE001 - a server that dies is recorded and left out
+                        exited[policy] = {"seed": seed, "load": load, "error": repr(exc)[:300],
+                                          "server_log": [ln[:300] for ln in srv.grep_log(SERVER_DEATH)][:6]}
+                        print(f"[{time.time() - t_start:5.0f}s] {policy}@{load}/s{seed}: FAILED {exc!r}; left out: "
+                              f"{exited[policy]['server_log']}", flush=True)
+                        break
                     row = run_summary(outs, time.perf_counter() - t0)
                     retracts = len(srv.grep_log(RETRACT_LOG))  # cumulative in the server's log
                     row["retract_logs"] = float(retracts - seen_retracts.get(policy, 0))
@@ -132,6 +143,9 @@ def main() -> None:
                     print(f"[{time.time() - t_start:5.0f}s] {policy}@{load}/s{seed}: " +
                           " ".join(f"{k}={v:.3f}" for k, v in row.items()) + f" loadavg={os.getloadavg()[0]:.1f}", flush=True)
                     bar.step(f"{policy}@{load}/s{seed}")
+    if "fcfs" in exited or "fair_sched" in exited:
+        raise SystemExit(f"the fcfs or fair_sched server exited, nothing to compare: {exited}")
+    args.policies = [p for p in args.policies if p not in exited]  # compared on the same seeds only
     cells: dict[str, Any] = {}
     lines = []
     for load in args.loads:
@@ -161,7 +175,7 @@ def main() -> None:
     command = "flock /tmp/kllm-bench.lock python " + " ".join(sys.argv)
     met = sum(all(v["met"] for v in c["targets"].values()) for c in cells.values())
     summary = build_summary(command, {"cells": cells, "cells_meeting_every_target": f"{met}/{len(cells)}",
-                                      "fair_sched_counters": fair_counters},
+                                      "fair_sched_counters": fair_counters, "servers_exited": exited},
                             shared=args.shared, trace=args.trace, chunk=args.chunk, requests_per_run=args.requests,
                             seeds=args.seeds, capacity_req_s=capacity, long_prompt_over_tokens=long_tokens,
                             fair_env=args.fair_env, wall_s=round(time.time() - t_start),

@@ -39,6 +39,9 @@ def rows(summary: dict[str, Any]) -> list[str]:
     for load, cell in sorted(summary["metrics"]["cells"].items(), key=lambda kv: float(kv[0])):
         means = cell["seed_mean"]
         best = min((p for p in STOCK if p in means), key=lambda p: means[p]["mean"])
+        exited = summary["metrics"].get("servers_exited") or {}
+        if exited:  # stock servers that died mid-run are left out of the comparison
+            best += f" ({', '.join(sorted(exited))} exited)"
         marks = [f"{cell['targets'][k]['value']:.2f}" + ("" if cell["targets"][k]["met"] else " *")
                  for k, _ in COLUMNS]
         same = all(v == 1.0 for v in cell["outputs_identical_to_fcfs"].values())

@@ -31,5 +31,9 @@ def test_rows_mark_missed_targets_and_name_the_best_stock_policy(
     assert row[3] == "120" and row[5] == "2026-12-05"  # requests a run, the day it was recorded
     assert row[6] == "shortest-prefill-first" and row[9] == "1.10 *" and row[7] == "1.10"
     assert row[-1] == "NO |"  # one policy's outputs differ from fcfs
+    (tmp_path / "server_x_128.json").write_text(json.dumps(
+        {"trace": "x", "chunk": 128, "seeds": 3, "date": "2026-12-05T00:56:47Z", "requests_per_run": 120,
+         "metrics": {"cells": {"0.85": cell}, "servers_exited": {"lpm": {"seed": 1}}}}))
+    assert st.table(tmp_path).splitlines()[2].split(" | ")[6] == "shortest-prefill-first (lpm exited)"
     with pytest.raises(SystemExit, match="no <!-- generated:server-grid -->"):
         st.render("no markers here", tmp_path)
