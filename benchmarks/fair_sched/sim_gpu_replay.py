@@ -6,9 +6,9 @@ capacity measured the same way (a burst of the calibration requests), then the s
 `--seeds` seeds. Per cell and target: the ratio the GPU measured, the ratio the model gives for the
 same seed, the model's ratio of seed means and the share of single seeds on which the target
 misses. Then TPOT and P99 against fcfs of the stock orders and of fair_sched with more or fewer
-decode steps: the plugin's `decode_share`, and a what-if (`TimeShare`, not in the plugin) whose
-decode steps take a share of the time with several in a row where that takes them. The model has
-no KV limit (no chunk guard) and no prefix cache (lpm equals fcfs).
+decode steps: its `decode_share` (at most one decode step per prefill pass) and its
+`decode_time_share` (several in a row where that share of the time takes them). The model has no
+KV limit (no chunk guard) and no prefix cache (lpm equals fcfs).
 
     python benchmarks/fair_sched/sim_gpu_replay.py --seeds 20      # run, record, print
     python benchmarks/fair_sched/sim_gpu_replay.py --write-doc      # table in docs/fair_sched.md
@@ -74,12 +74,10 @@ def simulate_cell(c: dict[str, Any], seeds: int) -> dict[str, Any]:
     long_tokens = 8 * c["trace_chunk"] - 1  # the GPU harness: long = at least 8 trace chunks
     jobs = [tr.make(c["trace"], scale, c["requests"], seed) for seed in range(seeds)]
 
-    def runs(policy: str, env: list[str], share: float = 0.0) -> list[dict[str, float]]:
+    def runs(policy: str, env: list[str]) -> list[dict[str, float]]:
         cfg = grid.config_from(env)
-        make = (lambda: TimeShare(cfg.quota_params(chunk), share)) if share else (
-            lambda: se.make_policy(policy, chunk, cfg))
-        return [se.summary(se.simulate(j, c["load"] * cap, make(), chunk, cm, seed), long_tokens)
-                for seed, j in enumerate(jobs)]
+        return [se.summary(se.simulate(j, c["load"] * cap, se.make_policy(policy, chunk, cfg), chunk, cm, seed),
+                           long_tokens) for seed, j in enumerate(jobs)]
 
     at = {p: runs(p, []) for p in POLICIES}
     per_seed = [{k: v["value"] for k, v in grid.checks({p: [at[p][i]] for p in POLICIES}, "fair_sched").items()}
@@ -88,36 +86,16 @@ def simulate_cell(c: dict[str, Any], seeds: int) -> dict[str, Any]:
     out["seed_ratio_median"] = {k: round(statistics.median(x[k] for x in per_seed), 3) for k in TARGETS}
     out["miss_share"] = {k: round(sum(not _met(k, x[k]) for x in per_seed) / len(per_seed), 3) for k in TARGETS}
     # TPOT and P99 against fcfs (ratios of seed means): the stock orders that beat fcfs on the mean,
-    # and fair_sched with more or fewer decode steps: the plugin's decode_share (at most one per prefill
-    # pass) and the what-if TimeShare (as many in a row as its share of the time takes).
+    # and fair_sched with more or fewer decode steps: its decode_share (at most one per prefill pass)
+    # and its decode_time_share (several in a row where that share of the time takes them).
     fcfs = {k: statistics.fmean(r[k] for r in at["fcfs"]) for k in ("tpot", "p99", "mean")}
     trade = {p: at[p] for p in ("shortest-prefill-first", "hrrn")}
     trade.update({f"decode_share {d}": runs("fair_sched", [f"decode_share={d}"]) for d in DECODE_SHARES})
-    trade.update({f"time share {x}": runs("fair_sched", ["decode_share=0"], x) for x in TIME_SHARES})
+    trade.update({f"decode_time_share {x}": runs("fair_sched", ["decode_share=0", f"decode_time_share={x}"])
+                  for x in TIME_SHARES})
     out["tpot_p99_vs_fcfs"] = {name: {k: round(statistics.fmean(r[k] for r in rs) / fcfs[k], 3) for k in fcfs}
                                for name, rs in trade.items()}
     return out
-
-
-class TimeShare(se.FairSingle):
-    """What-if, not the plugin: fair_sched's order with decode steps holding `share` of the engine's
-    time while prompts wait, as many in a row as that takes (the plugin's `decode_share` takes at
-    most one decode step per prefill pass)."""
-
-    def __init__(self, params: Any, share: float) -> None:
-        super().__init__(params)
-        self.share, self.prefill_s, self.decode_s = share, 0.0, 0.0
-
-    def plan(self, e: se.Engine) -> list[tuple[se.Req, int]] | None:
-        if not (e.waiting or e.partial or self.suspended):
-            self.prefill_s = self.decode_s = 0.0  # no prompt waits: the busy period is over
-        elif e.running and self.decode_s < self.share * (self.prefill_s + self.decode_s):
-            self.decode_s += e.cm.decode([r.work + r.tokens for r in e.running])
-            return None
-        rows = super().plan(e)
-        if rows:
-            self.prefill_s += e.cm.prefill([(k, r.done) for r, k in rows])
-        return rows
 
 
 def _met(target: str, v: float) -> bool:

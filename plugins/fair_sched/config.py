@@ -32,6 +32,8 @@ class FairSchedConfig:
     """With > 0, a decode step also comes after any long chunk once the last decode is this old; 0: off."""
     decode_share: float = 0.04
     """With > 0, while prefills wait a decode step comes once the prefill time since the last is (1 - share) / share decode steps."""
+    decode_time_share: float = 0.0
+    """With > 0, while prompts wait decode steps take at least this share of the time since they began waiting, several in a row when behind; 0: off."""
     short_extra_tokens: int = -1
     """Extra pass tokens for earlier-key requests riding beside the partial prefill; -1: three budgets; 0: off."""
     age_weight: float = 32.0
@@ -76,6 +78,8 @@ class FairSchedConfig:
             raise ValueError(f"decode_interval_s must be in [0, 60], got {self.decode_interval_s}")
         if not 0.0 <= self.decode_share < 1.0:
             raise ValueError(f"decode_share must be in [0, 1), got {self.decode_share}")
+        if not 0.0 <= self.decode_time_share < 1.0:
+            raise ValueError(f"decode_time_share must be in [0, 1), got {self.decode_time_share}")
         if not 0.0 <= self.decode_max_gap_s <= 60.0:
             raise ValueError(f"decode_max_gap_s must be in [0, 60], got {self.decode_max_gap_s}")
         if self.budget_tokens == 1:
@@ -137,6 +141,7 @@ class FairSchedConfig:
             busy_decode_reqs=self.busy_decode_reqs,
             decode_max_gap_s=self.decode_max_gap_s,
             decode_share=self.decode_share,
+            decode_time_share=self.decode_time_share,
             max_partial=self.max_partial_prefills,
             max_long_partial=self.max_long_partial_prefills,
             long_partial_tokens=self.long_partial_tokens,

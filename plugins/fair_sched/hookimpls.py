@@ -103,6 +103,8 @@ def kllm_declare() -> PluginSpec:
             OptionSpec("decode_interval_s", float, d.decode_interval_s, "a decode step also waits until the last one is this old (0: chunk count only)"),
             OptionSpec("busy_decode_reqs", int, d.busy_decode_reqs, "while at least this many requests decode, a decode step after every long chunk (0: off)"),
             OptionSpec("decode_share", float, d.decode_share, "while prefills wait, decode steps take about this share of the time (0: off)"),
+            OptionSpec("decode_time_share", float, d.decode_time_share,
+                       "while prompts wait, decode steps take at least this share of the time, several in a row when behind (0: off)"),
             OptionSpec("decode_max_gap_s", float, d.decode_max_gap_s, "a decode step after any long chunk once the last decode is this old (0: off)"),
             OptionSpec("short_extra_tokens", int, d.short_extra_tokens, "pass tokens beyond the budget for earlier-key requests riding along the chunked prefill (-1: three budgets, 0: off)"),
             OptionSpec("age_weight", float, d.age_weight, "order key = prefill tokens processed at arrival + age_weight x uncached prompt (0: FCFS)"),

@@ -77,6 +77,7 @@ class _State:
             "long_chunks": 0,
             "long_tokens": 0,
             "yields_to_decode": 0,
+            "decode_run_max": 0,
             "yields_to_short": 0,
             "yields_to_partial": 0,
             "partials_resumed": 0,
@@ -223,6 +224,8 @@ def around_get_new_batch_prefill_raw(original: Callable[..., Any], self: Any, *a
         st.counters[f"yields_to_{plan.yield_to}"] += 1
         st._m_yields.labels(to=plan.yield_to).inc()
         if plan.yield_to == "decode":
+            # decode steps in a row (several with decode_time_share)
+            st.counters["decode_run_max"] = max(st.counters["decode_run_max"], pol.decode_run)
             st.pass_budget = None
             st.publish(True)
             return None, running_batch  # plan() noted this decode step

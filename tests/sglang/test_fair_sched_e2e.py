@@ -249,3 +249,35 @@ def test_several_partial_prefills_let_a_medium_prompt_past_a_long_one() -> None:
         time.sleep(1.0)
         assert _stats(fair)["kv_usage"] < 0.01
         assert not fair.grep_log(r"memory leak|Scheduler hit an exception|Traceback")
+
+
+def test_decode_time_share_decodes_several_steps_in_a_row_while_a_long_prompt_prefills() -> None:
+    """decode_time_share 0.5: short requests that decode while a long prompt prefills get decode
+    steps several in a row (a decode step of the tiny model is shorter than a prefill pass), which
+    decode_share can never give (one per prefill pass at most); outputs equal stock's."""
+    pytest.importorskip("sglang")
+    from serving import Job, run_jobs, sglang_server
+
+    from kllm_plugins.models.tiny_llama import tiny_llama_path
+
+    model = str(tiny_llama_path())
+    args = ["--chunked-prefill-size", "64", "--schedule-policy", "fcfs", "--dtype", "float32"]
+    rng = random.Random(5)
+    ids = lambda n: [rng.randrange(5, 4090) for _ in range(n)]  # noqa: E731
+    jobs = [Job("long", 0.0, ids(4000), 4, "long"),
+            *(Job(f"short{i}", 0.05 + 0.05 * i, ids(40), 24, "short") for i in range(4))]
+    with sglang_server(model, extra_args=args) as stock:
+        ref = {o.rid: o for o in run_jobs(stock.base_url, jobs)}
+
+    env = {"KLLM_FAIR_SCHED_DECODE_SHARE": "0", "KLLM_FAIR_SCHED_DECODE_TIME_SHARE": "0.5",
+           "KLLM_FAIR_SCHED_PUBLISH_INTERVAL_S": "0.1"}
+    with sglang_server(model, plugins=["fair_sched"], extra_args=args, env=env) as fair:
+        got = {o.rid: o for o in run_jobs(fair.base_url, jobs)}
+        for rid, o in ref.items():
+            assert got[rid].output_ids == o.output_ids, rid
+        # the shorts rode beside the long prefill and decoded before it ended
+        assert all(got[f"short{i}"].arrival_s + got[f"short{i}"].ttft_s < got["long"].ttft_s for i in range(4))
+        snap = _wait_stats(fair, "long_finished", 1)
+        assert snap["decode_run_max"] >= 2, snap
+        assert snap["yields_to_decode"] >= 2 and snap["recomputed_tokens"] == 0
+        assert not fair.grep_log(r"Scheduler hit an exception|Traceback")

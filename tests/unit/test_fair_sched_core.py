@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kllm_plugins.plugins.fair_sched.core.quota import (
+    TIME_SHARE_MAX_RUN,
     FairPolicy,
     PassPlan,
     QuotaParams,
@@ -154,6 +155,43 @@ def test_decode_share_spaces_steps_by_the_measured_decode_time() -> None:
     assert pol.decode_cost_s == pytest.approx(0.25)
 
 
+def test_decode_time_share_takes_decode_steps_in_a_row_when_behind() -> None:
+    pol = FairPolicy(params(decode_time_share=0.5))
+    waiting = [WaitingItem("w", 1000, 0, 0)]
+    now, steps = 0.0, []
+
+    def run(n: int, prefill_s: float, decode_s: float, items: list[WaitingItem]) -> None:
+        nonlocal now
+        for _ in range(n):
+            plan = pol.plan(items, decode_running=True, now=now, running_reqs=4)
+            if plan.action == "yield" and plan.yield_to == "decode":
+                steps.append("d")
+                now += decode_s
+            else:
+                steps.append("p")
+                pol.note_prefill()
+                now += prefill_s
+
+    # prefill passes of 0.3 s, decode steps of 0.1 s: half the time is 3 decode steps per pass
+    run(12, 0.3, 0.1, waiting)
+    assert "".join(steps) == "pdddpdddpddd"
+    # the last decode step is counted at the next plan
+    assert pol.busy_s["decode"] == pytest.approx(0.8) and pol.busy_s["prefill"] == pytest.approx(0.9)
+    # nothing waits: the account restarts, and no decode step is forced
+    steps.clear()
+    run(2, 0.3, 0.1, [])
+    assert "".join(steps) == "pp" and pol.busy_s == {"prefill": 0.0, "decode": 0.0}
+    # decode steps that take no time never catch up: at most TIME_SHARE_MAX_RUN of them in a row
+    steps.clear()
+    run(40, 0.0, 0.0, waiting)
+    assert "".join(steps).startswith("d" * TIME_SHARE_MAX_RUN + "p")
+    assert max(len(r) for r in "".join(steps).split("p")) == TIME_SHARE_MAX_RUN
+    off = FairPolicy(params())  # decode_time_share 0 (and decode_share 0): no decode step forced
+    for t in range(5):
+        assert off.plan(waiting, decode_running=True, now=0.3 * t, running_reqs=4).action != "yield"
+        off.note_prefill()
+
+
 def test_quota_growth_sequence_is_capped() -> None:
     p = params(base_quota_tokens=128, quota_growth=2.0, max_quota_tokens=1000)
     assert [p.quota_after(i) for i in range(6)] == [128, 256, 512, 1000, 1000, 1000]
@@ -174,7 +212,7 @@ def test_yield_bound_counts_turns_until_work_is_covered() -> None:
     dict(budget_tokens=1), dict(quota_growth=0.9), dict(max_quota_tokens=64), dict(max_yields=-1),
     dict(long_min_share=0.0), dict(long_min_share=1.5), dict(page_size=0), dict(decode_every_chunks=-1),
     dict(short_extra_tokens=-1), dict(age_weight=-1.0), dict(decode_interval_s=-1.0), dict(decode_share=1.0),
-    dict(busy_decode_reqs=-1), dict(decode_max_gap_s=-0.5), dict(max_partial=0),
+    dict(busy_decode_reqs=-1), dict(decode_max_gap_s=-0.5), dict(max_partial=0), dict(decode_time_share=1.0),
     dict(max_long_partial=3, max_partial=2), dict(long_partial_tokens=-1),
 ])
 def test_bad_params_name_the_field(bad: dict[str, object]) -> None:
@@ -205,6 +243,7 @@ def scenarios(draw: st.DrawFn) -> tuple[QuotaParams, list[list[tuple[str, int]]]
         busy_decode_reqs=draw(st.sampled_from([0, 0, 1, 4])),
         decode_max_gap_s=draw(st.sampled_from([0.0, 0.0, 0.3, 2.0])),
         decode_share=draw(st.sampled_from([0.0, 0.0, 0.1, 0.5])),
+        decode_time_share=draw(st.sampled_from([0.0, 0.0, 0.2, 0.6])),
     )
     arrivals: list[list[tuple[str, int]]] = []
     rid = 0

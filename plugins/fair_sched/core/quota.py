@@ -52,6 +52,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal, Sequence
 
+TIME_SHARE_MAX_RUN = 16
+"""`decode_time_share`: most decode steps in a row between two prefill passes (keeps the pass bound)."""
+
 PlanAction = Literal["admit", "run", "yield"]
 YieldTo = Literal["decode", "short", "partial"]
 
@@ -88,6 +91,10 @@ class QuotaParams:
     decode_share: float = 0.0
     """With > 0: while prefills wait, a decode step comes once the prefill time since the last one is
     (1 - share) / share x the measured decode-step time (decode steps take about this share of the time)."""
+    decode_time_share: float = 0.0
+    """With > 0: while prompts wait, decode steps take at least this share of the time since prompts
+    began waiting, several in a row when they fall behind (`decode_share` takes at most one per
+    prefill pass); 0: off."""
     max_partial: int = 1
     """Requests partially prefilled at once (the active one and the suspended ones; 1: SGLang's one)."""
     max_long_partial: int = 1
@@ -126,6 +133,8 @@ class QuotaParams:
             raise ValueError(f"decode_max_gap_s must be >= 0, got {self.decode_max_gap_s}")
         if not 0.0 <= self.decode_share < 1.0:
             raise ValueError(f"decode_share must be in [0, 1), got {self.decode_share}")
+        if not 0.0 <= self.decode_time_share < 1.0:
+            raise ValueError(f"decode_time_share must be in [0, 1), got {self.decode_time_share}")
         if self.max_partial < 1:
             raise ValueError(f"max_partial must be >= 1, got {self.max_partial}")
         if not 1 <= self.max_long_partial <= self.max_partial:
@@ -212,6 +221,8 @@ def pass_bound(work_tokens: int, params: QuotaParams, first_chunk: int | None = 
     yields = yield_bound(work_tokens, params)
     # Decode steps count every prefill pass (its own and the yields), not only its chunks.
     decode_passes = -(-(run_passes + yields) // spacing) if spacing else 0
+    if params.decode_time_share > 0:  # up to TIME_SHARE_MAX_RUN decode steps after each prefill pass
+        decode_passes = max(decode_passes, (run_passes + yields) * TIME_SHARE_MAX_RUN)
     return run_passes + yields + decode_passes
 
 
@@ -310,6 +321,12 @@ class FairPolicy:
         """Keys of the requests seen by the last `order` call (for `start_long`)."""
         self.suspended: list[LongState] = []
         """Partially prefilled requests set aside for an earlier-key one (`max_partial` > 1)."""
+        self.busy_s = {"prefill": 0.0, "decode": 0.0}
+        """Time spent prefilling and decoding since prompts began waiting (`decode_time_share`)."""
+        self._last_plan_s: float | None = None
+        self._last_pass: str | None = None
+        self.decode_run = 0
+        """Decode steps in a row since the last prefill pass (at most TIME_SHARE_MAX_RUN)."""
 
     def key(self, item: WaitingItem) -> tuple[float, float]:
         return order_key(item, self.params)
@@ -337,6 +354,7 @@ class FairPolicy:
         self.last_decode_s = now
         self.prefills_since_decode = 0
         self._decode_began = now
+        self._last_pass = "decode"
 
     def _clock(self, now: float | None) -> None:
         """The first call after a decode pass ends it: its duration feeds the decode-cost estimate."""
@@ -350,6 +368,24 @@ class FairPolicy:
     def note_prefill(self) -> None:
         """A pass prefilled something (any request): it counts toward the next decode step."""
         self.prefills_since_decode += 1
+        self._last_pass = "prefill"
+        self.decode_run = 0
+
+    def _account(self, now: float | None, prompts_wait: bool) -> None:
+        """The time since the last plan goes to the kind of pass that ran in it (`decode_time_share`);
+        the account restarts when no prompt waits."""
+        if now is None:
+            return
+        if self._last_plan_s is not None and self._last_pass is not None:
+            self.busy_s[self._last_pass] += max(now - self._last_plan_s, 0.0)
+        self._last_plan_s, self._last_pass = now, None
+        if not prompts_wait:
+            self.busy_s = {"prefill": 0.0, "decode": 0.0}
+
+    def _time_share_due(self) -> bool:
+        share = self.params.decode_time_share
+        total = self.busy_s["prefill"] + self.busy_s["decode"]
+        return share > 0 and self.decode_run < TIME_SHARE_MAX_RUN and self.busy_s["decode"] < share * total
 
     def _decode_due(self, now: float | None, running_reqs: int | None) -> bool:
         p = self.params
@@ -391,13 +427,17 @@ class FairPolicy:
         p = self.params
         a = self.active
         self._clock(now)
-        if decode_running and self._decode_due(now, running_reqs):
+        prompts_wait = bool(waiting) or a is not None or bool(self.suspended)
+        if p.decode_time_share > 0:
+            self._account(now, prompts_wait)
+        if decode_running and (self._decode_due(now, running_reqs) or (prompts_wait and self._time_share_due())):
             # Decode steps do not wait for the prefills (SGLang decodes only in passes without
             # one): one after every `decode_every_chunks` prefill passes, whoever they served.
             # The active request's quota is untouched.
             if now is not None:
                 self.note_decode(now)
             self.prefills_since_decode = 0
+            self.decode_run += 1
             if a is not None:
                 a.decode_passes += 1
                 a.chunks_since_decode = 0
