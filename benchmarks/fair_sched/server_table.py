@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kllm_plugins.plugin_docs import replace_generated
+from kllm_plugins.plugin_docs import replace_generated, rewrite_doc
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results" / "fair_sched"
@@ -99,11 +99,7 @@ def main() -> int:
     if not a.write:
         sys.stdout.write(table() + "\n" + gpu_table())
         return 0
-    text = DOC.read_text(encoding="utf-8")
-    new = render(text)
-    if new != text:
-        DOC.write_text(new, encoding="utf-8")
-        print(f"updated {DOC}")
+    rewrite_doc(DOC, render)
     return 0
 
 

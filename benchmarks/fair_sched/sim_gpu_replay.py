@@ -160,12 +160,10 @@ def main() -> int:
         print(table(summary) + "\n" + trade_table(summary))
         print(f"wrote {OUT.relative_to(ROOT)}")
         return 0
+    from kllm_plugins.plugin_docs import rewrite_doc
+
     summary = json.loads(OUT.read_text(encoding="utf-8"))
-    text = DOC.read_text(encoding="utf-8")
-    new = render(text, summary)
-    if new != text:
-        DOC.write_text(new, encoding="utf-8")
-        print(f"updated {DOC}")
+    rewrite_doc(DOC, lambda text: render(text, summary))
     return 0
 
 

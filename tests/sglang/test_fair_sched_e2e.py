@@ -49,6 +49,24 @@ def _wait_stats(server: Any, key: str, at_least: int, timeout_s: float = 10.0) -
         time.sleep(0.3)
 
 
+def _stock_outputs(model: str, args: list[str], jobs: list[Any]) -> dict[str, Any]:
+    """The same jobs on a stock server (fcfs): the reference outputs, by request id."""
+    from serving import run_jobs, sglang_server
+
+    with sglang_server(model, extra_args=args) as stock:
+        return {o.rid: o for o in run_jobs(stock.base_url, jobs)}
+
+
+def _same_outputs(fair: Any, jobs: list[Any], ref: dict[str, Any]) -> dict[str, Any]:
+    """Run the jobs on `fair`; every request's tokens equal the reference's."""
+    from serving import run_jobs
+
+    got = {o.rid: o for o in run_jobs(fair.base_url, jobs)}
+    for rid, o in ref.items():
+        assert got[rid].output_ids == o.output_ids, rid
+    return got
+
+
 def test_fair_sched_end_to_end() -> None:
     pytest.importorskip("sglang")
     from serving import Job, run_jobs, sglang_server
@@ -196,7 +214,7 @@ def test_several_partial_prefills_let_a_medium_prompt_past_a_long_one() -> None:
     outputs equal stock's. Stock fcfs serves the long prompt first. An abort of a suspended request
     releases it through SGLang's chunked abort, and the server stays healthy."""
     pytest.importorskip("sglang")
-    from serving import Job, run_jobs, sglang_server
+    from serving import Job, sglang_server
 
     from kllm_plugins.models.tiny_llama import tiny_llama_path
 
@@ -206,17 +224,14 @@ def test_several_partial_prefills_let_a_medium_prompt_past_a_long_one() -> None:
     ids = lambda n: [rng.randrange(5, 4090) for _ in range(n)]  # noqa: E731
     jobs = [Job("long", 0.0, ids(4000), 4, "long"), Job("medium", 0.15, ids(400), 4, "short"),
             Job("short", 0.2, ids(40), 4, "short")]
-    with sglang_server(model, extra_args=args) as stock:
-        ref = {o.rid: o for o in run_jobs(stock.base_url, jobs)}
+    ref = _stock_outputs(model, args, jobs)
     # stock: the medium waits for the whole long prefill
     assert ref["medium"].arrival_s + ref["medium"].ttft_s > ref["long"].ttft_s
 
     env = {"KLLM_FAIR_SCHED_MAX_PARTIAL_PREFILLS": "2", "KLLM_FAIR_SCHED_LONG_PARTIAL_TOKENS": "100000",
            "KLLM_FAIR_SCHED_PUBLISH_INTERVAL_S": "0.1"}
     with sglang_server(model, plugins=["fair_sched"], extra_args=args, env=env) as fair:
-        got = {o.rid: o for o in run_jobs(fair.base_url, jobs)}
-        for rid, o in ref.items():
-            assert got[rid].output_ids == o.output_ids, rid
+        got = _same_outputs(fair, jobs, ref)
         assert got["medium"].arrival_s + got["medium"].ttft_s < got["long"].ttft_s
         snap = _wait_stats(fair, "partials_resumed", 1)
         # yields_to_partial counts the suspensions
@@ -256,7 +271,7 @@ def test_decode_time_share_decodes_several_steps_in_a_row_while_a_long_prompt_pr
     steps several in a row (a decode step of the tiny model is shorter than a prefill pass), which
     decode_share can never give (one per prefill pass at most); outputs equal stock's."""
     pytest.importorskip("sglang")
-    from serving import Job, run_jobs, sglang_server
+    from serving import Job, sglang_server
 
     from kllm_plugins.models.tiny_llama import tiny_llama_path
 
@@ -266,15 +281,11 @@ def test_decode_time_share_decodes_several_steps_in_a_row_while_a_long_prompt_pr
     ids = lambda n: [rng.randrange(5, 4090) for _ in range(n)]  # noqa: E731
     jobs = [Job("long", 0.0, ids(4000), 4, "long"),
             *(Job(f"short{i}", 0.05 + 0.05 * i, ids(40), 24, "short") for i in range(4))]
-    with sglang_server(model, extra_args=args) as stock:
-        ref = {o.rid: o for o in run_jobs(stock.base_url, jobs)}
-
+    ref = _stock_outputs(model, args, jobs)
     env = {"KLLM_FAIR_SCHED_DECODE_SHARE": "0", "KLLM_FAIR_SCHED_DECODE_TIME_SHARE": "0.5",
            "KLLM_FAIR_SCHED_PUBLISH_INTERVAL_S": "0.1"}
     with sglang_server(model, plugins=["fair_sched"], extra_args=args, env=env) as fair:
-        got = {o.rid: o for o in run_jobs(fair.base_url, jobs)}
-        for rid, o in ref.items():
-            assert got[rid].output_ids == o.output_ids, rid
+        got = _same_outputs(fair, jobs, ref)
         # the shorts rode beside the long prefill and decoded before it ended
         assert all(got[f"short{i}"].arrival_s + got[f"short{i}"].ttft_s < got["long"].ttft_s for i in range(4))
         snap = _wait_stats(fair, "long_finished", 1)
