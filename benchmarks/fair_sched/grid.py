@@ -149,6 +149,22 @@ def format_cell(cell: dict[str, Any], policies: list[str]) -> list[str]:
     return lines
 
 
+def record_or_write_doc(write_doc: bool, out: Any, doc: Any, run: Any, show: Any, render: Any) -> int:
+    """A what-if script's main: `run()` and record its summary at `out` (printing `show(summary)`), or
+    with `write_doc` only rewrite `doc`'s generated tables (`render(text, summary)`) from the recorded one."""
+    from kllm_plugins.plugin_docs import rewrite_doc
+
+    if write_doc:
+        summary = json.loads(out.read_text(encoding="utf-8"))
+        rewrite_doc(doc, lambda text: render(text, summary))
+        return 0
+    summary = run()
+    out.write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    print(show(summary))
+    print(f"wrote {os.path.relpath(out, ROOT)}")
+    return 0
+
+
 def _commit() -> str:
     try:
         return subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()

@@ -154,18 +154,7 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, default=20)
     ap.add_argument("--write-doc", action="store_true", help="only rewrite the table from the recorded summary")
     a = ap.parse_args()
-    if not a.write_doc:
-        summary = run(a.seeds)
-        OUT.write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
-        print(table(summary) + "\n" + trade_table(summary))
-        print(f"wrote {OUT.relative_to(ROOT)}")
-        return 0
-    from kllm_plugins.plugin_docs import rewrite_doc
-
-    summary = json.loads(OUT.read_text(encoding="utf-8"))
-    rewrite_doc(DOC, lambda text: render(text, summary))
-    return 0
-
+    return grid.record_or_write_doc(a.write_doc, OUT, DOC, lambda: run(a.seeds), lambda s: table(s) + "\n" + trade_table(s), render)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -21,6 +21,8 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import grid  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "benchmarks" / "results" / "fair_sched" / "sim_max_partial.json"
 DOC = ROOT / "docs" / "fair_sched.md"
@@ -31,8 +33,6 @@ TARGETS = ("mean <= best stock", "short p90 <= best stock", "p99 <= fcfs", "long
 
 
 def run(seeds: int, requests: int) -> dict[str, Any]:
-    import grid
-
     per: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for scale, costs, chunk in SCALES:
@@ -79,18 +79,7 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=400)
     ap.add_argument("--write-doc", action="store_true", help="only rewrite the table from the recorded summary")
     a = ap.parse_args()
-    if not a.write_doc:
-        summary = run(a.seeds, a.requests)
-        OUT.write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
-        print(table(summary))
-        print(f"wrote {OUT.relative_to(ROOT)}")
-        return 0
-    from kllm_plugins.plugin_docs import rewrite_doc
-
-    summary = json.loads(OUT.read_text(encoding="utf-8"))
-    rewrite_doc(DOC, lambda text: render(text, summary))
-    return 0
-
+    return grid.record_or_write_doc(a.write_doc, OUT, DOC, lambda: run(a.seeds, a.requests), lambda s: table(s), render)
 
 if __name__ == "__main__":
     sys.exit(main())
