@@ -10,7 +10,6 @@ each setting and whether all held, and the docs table is generated from it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
