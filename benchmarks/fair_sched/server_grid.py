@@ -24,6 +24,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import targets  # noqa: E402
 import traces as tr  # noqa: E402
 from bench_fair_sched import counters, flush_cache, start_servers, warm_up  # noqa: E402
 from serving import Job, Outcome, parse_variant, run_jobs  # noqa: E402
@@ -33,7 +34,6 @@ from kllm_plugins.bench.record import build_summary, result_path, write_summary 
 from kllm_plugins.bench.stats import quantile  # noqa: E402
 
 POLICIES = ("fcfs", "lpm", "shortest-prefill-first", "hrrn", "fair_sched")
-STOCK = POLICIES[:-1]
 METRICS = ("mean", "p90", "p99", "short_p90", "long_mean", "tpot", "throughput", "retract_logs")
 # what SGLang's log says when a scheduler dies (its chunk overcommit ends in "Out of memory")
 SERVER_DEATH = r"Out of memory|Try to allocate|Available full tokens|Scheduler hit an exception"
@@ -56,18 +56,6 @@ def run_summary(outs: list[Outcome], wall_s: float) -> dict[str, float]:
             "short_p90": quantile(short, 0.9) if short else float("nan"),
             "long_mean": statistics.fmean(long_) if long_ else float("nan"),
             "tpot": statistics.fmean(tpot), "throughput": len(outs) / wall_s}
-
-
-def targets(m: dict[str, dict[str, float]]) -> dict[str, dict[str, Any]]:
-    """The issue's targets on seed means (`m[policy][metric]`)."""
-    best_mean = min(m[p]["mean"] for p in STOCK if p in m)
-    best_sp90 = min(m[p]["short_p90"] for p in STOCK if p in m)
-    f, b = m["fair_sched"], m["fcfs"]
-    vals = {"mean <= best stock": (f["mean"] / best_mean, 1.0), "short p90 <= best stock": (f["short_p90"] / best_sp90, 1.0),
-            "p99 <= fcfs": (f["p99"] / b["p99"], 1.0), "long mean <= 1.25x fcfs": (f["long_mean"] / b["long_mean"], 1.25),
-            "tpot <= 1.3x fcfs": (f["tpot"] / b["tpot"], 1.3), "throughput >= 0.98x fcfs": (f["throughput"] / b["throughput"], 0.98)}
-    return {k: {"value": v, "target": t, "met": v >= t if "throughput" in k else v <= t} for k, (v, t) in vals.items()}
-
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -157,7 +145,7 @@ def main() -> None:
         ident = {p: sum(outputs[(load, s, p)][rid] == outputs[(load, s, "fcfs")].get(rid)
                         for s in range(args.seeds) for rid in outputs[(load, s, p)]) /
                  sum(len(outputs[(load, s, p)]) for s in range(args.seeds)) for p in args.policies if p != "fcfs"}
-        tg = targets(m)
+        tg = targets.check(m)
         cells[str(load)] = {"rate_req_s": load * capacity, "seed_mean": m, "min_max_over_seeds": spread,
                             "fair_sched_ratio_to": ratios, "outputs_identical_to_fcfs": ident, "targets": tg}
         lines.append(f"{args.trace} @ {load} ({load * capacity:.3f} req/s), seed means over {args.seeds} seeds; "

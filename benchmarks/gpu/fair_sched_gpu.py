@@ -18,6 +18,7 @@ Five 8B-shaped servers need an H200 (141 GB); `--layers 16` fits them on an 80 G
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -29,6 +30,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "fair_sched"))
 from gpu_bench_common import Setup, header, log, write  # noqa: E402
 from serving import Job, run_jobs  # noqa: E402
+from targets import STOCK, check as check_targets  # noqa: E402
 from traces import Scale, make, prompt_ids  # noqa: E402
 from workload import summarize  # noqa: E402
 
@@ -185,8 +187,6 @@ def run_one(a: Any, res: dict[str, Any], srv: Any, p: str, trace: str, chunk: in
         f"thr {row['throughput_req_s']:.2f} req/s {row.get('fair_sched_counters', '')}")
 
 
-STOCK = ("fcfs", "lpm", "shortest-prefill-first", "hrrn")
-
 
 def metrics(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Per `trace@chunk` and policy: the mean over seeds of each figure (min/max beside), its ratio
@@ -223,22 +223,12 @@ def metrics(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def targets(cell: dict[str, Any]) -> dict[str, Any]:
-    """Issue 27's targets for fair_sched in one cell (seed means); stock policies whose runs failed are left out."""
-    def m(p: str, k: str) -> float:
-        return cell[p][k]["mean"]
-
-    stock = [p for p in STOCK if p in cell]
-    best = min(stock, key=lambda p: m(p, "ttft_s_mean"))
-    best_sp90 = min(stock, key=lambda p: m(p, "ttft_short_s_p90"))
-    f = cell["fair_sched"]["vs_fcfs"]
-    rows = {"mean <= best stock": (m("fair_sched", "ttft_s_mean") / m(best, "ttft_s_mean"), 1.0, best),
-            "short p90 <= best stock": (m("fair_sched", "ttft_short_s_p90") / m(best_sp90, "ttft_short_s_p90"), 1.0, best_sp90),
-            "p99 <= fcfs": (f["ttft_s_p99"], 1.0, "fcfs"),
-            "long mean <= 1.25x fcfs": (f.get("ttft_long_s_mean", float("nan")), 1.25, "fcfs"),
-            "tpot <= 1.3x fcfs": (f["tpot_s_mean"], 1.3, "fcfs"),
-            "throughput >= 0.98x fcfs": (f["throughput_req_s"], 0.98, "fcfs")}
-    return {k: {"value": round(v, 3), "target": t, "against": who, "met": (v >= t) if "throughput" in k else (v <= t)}
-            for k, (v, t, who) in rows.items()}
+    """Issue 27's targets for fair_sched in one cell (seed means); stock policies whose runs failed are absent."""
+    names = {"mean": "ttft_s_mean", "short_p90": "ttft_short_s_p90", "p99": "ttft_s_p99",
+             "long_mean": "ttft_long_s_mean", "tpot": "tpot_s_mean", "throughput": "throughput_req_s"}
+    means = {p: {k: cell[p][v]["mean"] if v in cell[p] else math.nan for k, v in names.items()}
+             for p in (*STOCK, "fair_sched") if p in cell}
+    return check_targets(means)
 
 if __name__ == "__main__":
     sys.exit(main())
