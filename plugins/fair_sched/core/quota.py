@@ -384,8 +384,8 @@ class FairPolicy:
 
     def _time_share_due(self) -> bool:
         share = self.params.decode_time_share
-        total = self.busy_s["prefill"] + self.busy_s["decode"]
-        return share > 0 and self.decode_run < TIME_SHARE_MAX_RUN and self.busy_s["decode"] < share * total
+        return share > 0 and self.decode_run < TIME_SHARE_MAX_RUN and \
+            self.busy_s["decode"] < share * (self.busy_s["prefill"] + self.busy_s["decode"])
 
     def _decode_due(self, now: float | None, running_reqs: int | None) -> bool:
         p = self.params
