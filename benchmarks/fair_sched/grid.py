@@ -20,6 +20,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 METRICS = ("mean", "p90", "p99", "short_p90", "long_mean", "tpot", "throughput")
 LOADS = (0.6, 0.85)
+SIM_SHARED = "shared 2-core; the simulation is deterministic"
 
 
 def config_from(pairs: list[str]) -> FairSchedConfig:
@@ -137,14 +138,15 @@ def format_cell(cell: dict[str, Any], policies: list[str]) -> list[str]:
 def record_or_write_doc(write_doc: bool, out: Any, doc: Any, run: Any, show: Any, render: Any) -> int:
     """A what-if script's main: `run()` and record its summary at `out` (printing `show(summary)`), or
     with `write_doc` only rewrite `doc`'s generated tables (`render(text, summary)`) from the recorded one."""
+    from kllm_plugins.bench.record import load_summary, write_summary
     from kllm_plugins.plugin_docs import rewrite_doc
 
     if write_doc:
-        summary = json.loads(out.read_text(encoding="utf-8"))
+        summary = load_summary(out)
         rewrite_doc(doc, lambda text: render(text, summary))
         return 0
     summary = run()
-    out.write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    write_summary(out, summary)
     print(show(summary))
     print(f"wrote {os.path.relpath(out, ROOT)}")
     return 0

@@ -20,7 +20,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +29,8 @@ import grid  # noqa: E402
 import targets  # noqa: E402
 import sim_engine as se  # noqa: E402
 import traces as tr  # noqa: E402
+
+from kllm_plugins.bench.record import build_summary  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results" / "fair_sched"
@@ -102,11 +103,9 @@ def run(seeds: int) -> dict[str, Any]:
     for c in gpu_cells():
         c["sim"] = simulate_cell(c, seeds)
         cells.append(c)
-    return {"kind": "simulation (H200-fitted costs) of the recorded GPU cells", "seeds": seeds,
-            "command": f"python benchmarks/fair_sched/sim_gpu_replay.py --seeds {seeds}", "commit": grid._commit(),
-            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "machine": "2-core shared (the simulation is deterministic)",
-            "metrics": {f"{c['trace']}@{c['chunk']}": {"gpu": c["gpu"], **c["sim"]} for c in cells}}
+    return build_summary(f"python benchmarks/fair_sched/sim_gpu_replay.py --seeds {seeds}",
+                         {f"{c['trace']}@{c['chunk']}": {"gpu": c["gpu"], **c["sim"]} for c in cells},
+                         shared=grid.SIM_SHARED, seeds=seeds, kind="simulation (H200-fitted costs) of the recorded GPU cells")
 
 
 def table(summary: dict[str, Any]) -> str:
@@ -116,7 +115,8 @@ def table(summary: dict[str, Any]) -> str:
         cells = []
         for k in TARGETS:
             g, s, med, miss = m["gpu"][k], m["same_seed"][k], m["seed_ratio_median"][k], m["miss_share"][k]
-            cells.append("-" if g != g else f"{g:.2f} / {s:.2f} / {med:.2f} ({miss:.0%})")
+            # no long prompt on the GPU: no ratio (NaN, None once recorded)
+            cells.append("-" if g is None or g != g else f"{g:.2f} / {s:.2f} / {med:.2f} ({miss:.0%})")
         body.append(f"| {key.replace('@', ' @ ')} | " + " | ".join(cells) + " |")
     return "\n".join(head + body) + "\n"
 

@@ -13,7 +13,6 @@ import argparse
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -22,6 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import grid  # noqa: E402
 import targets  # noqa: E402
+
+from kllm_plugins.bench.record import build_summary  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "benchmarks" / "results" / "fair_sched" / "sim_max_partial.json"
@@ -40,11 +41,9 @@ def run(seeds: int, requests: int) -> dict[str, Any]:
                                        fair_env=[f"max_partial_prefills={mp}"], out=os.path.join(tmp, f"{chunk}_{mp}.json"))
                 doc = grid.run_sim_grid(args)
                 per[f"{chunk}:{mp}"] = {cell: v["fair_sched"] for cell, v in doc["metrics"].items()}
-    return {"kind": "simulation (CPU costs at 128 and 512; H200-fitted costs at 2048 and 8192)",
-            "command": f"python benchmarks/fair_sched/sim_max_partial.py --seeds {seeds} --requests {requests}",
-            "commit": grid._commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "machine": "2-core shared (the simulation is deterministic)", "seeds": seeds, "requests_per_run": requests,
-            "metrics": per}
+    return build_summary(f"python benchmarks/fair_sched/sim_max_partial.py --seeds {seeds} --requests {requests}", per,
+                         shared=grid.SIM_SHARED, seeds=seeds, requests_per_run=requests,
+                         kind="simulation (CPU costs at 128 and 512; H200-fitted costs at 2048 and 8192)")
 
 
 def table(summary: dict[str, Any]) -> str:
