@@ -5,7 +5,7 @@ Workload per seed: one long prompt of `--long-tokens` (default 7900; the model's
 with `--long-out` output tokens is sent at t=0. From `--lead-s` on, while it prefills, `--shorts`
 short prompts (32-256 tokens, 1-2 chunks at chunk 128) arrive as a Poisson process at `--rate`
 per second, and `--mediums` medium prompts (600-1500 tokens, more than one pass) at uniform times
-over the same span. Shorts and mediums ask 8-16 output tokens. All greedy (temperature 0,
+over the same span (`--short-len`, `--medium-len` change the ranges). Shorts and mediums ask 8-16 output tokens. All greedy (temperature 0,
 ignore_eos) on a float32 model; token ids in 10..3900 from a seeded rng, sent to /generate as
 `input_ids` and streamed (TTFT = time to the first event).
 
@@ -53,6 +53,13 @@ def parse_variants(specs: Sequence[str]) -> dict[str, Setup]:
     return {name: (["fair_sched"], env, "fcfs") for name, env in map(parse_variant, specs)}
 
 
+def add_length_args(ap: argparse.ArgumentParser, short: tuple[int, int], medium: tuple[int, int]) -> None:
+    ap.add_argument("--short-len", type=int, nargs=2, default=list(short), metavar=("MIN", "MAX"),
+                    help="short prompt tokens, uniform in [MIN, MAX]")
+    ap.add_argument("--medium-len", type=int, nargs=2, default=list(medium), metavar=("MIN", "MAX"),
+                    help="medium prompt tokens, uniform in [MIN, MAX]")
+
+
 def workload(a: argparse.Namespace, seed: int) -> list[Job]:
     rng = random.Random(seed)
 
@@ -62,10 +69,10 @@ def workload(a: argparse.Namespace, seed: int) -> list[Job]:
     jobs = [Job(f"s{seed}-long", 0.0, ids(a.long_tokens), a.long_out, "long")]
     arrivals = [a.lead_s + t for t in poisson(a.shorts, a.rate, seed)]
     for i, t in enumerate(arrivals):
-        jobs.append(Job(f"s{seed}-short{i}", t, ids(rng.randint(32, 256)), rng.randint(8, 16), "short"))
+        jobs.append(Job(f"s{seed}-short{i}", t, ids(rng.randint(*a.short_len)), rng.randint(8, 16), "short"))
     span = arrivals[-1] if arrivals else a.lead_s
     for i in range(a.mediums):
-        jobs.append(Job(f"s{seed}-medium{i}", rng.uniform(a.lead_s, span), ids(rng.randint(600, 1500)),
+        jobs.append(Job(f"s{seed}-medium{i}", rng.uniform(a.lead_s, span), ids(rng.randint(*a.medium_len)),
                         rng.randint(8, 16), "medium"))
     return jobs
 
@@ -186,6 +193,7 @@ def main() -> int:
     ap.add_argument("--shorts", type=int, default=24)
     ap.add_argument("--mediums", type=int, default=3)
     ap.add_argument("--rate", type=float, default=10.0, help="short arrivals per second")
+    add_length_args(ap, (32, 256), (600, 1500))
     ap.add_argument("--lead-s", type=float, default=0.1, help="when the first short arrives")
     ap.add_argument("--chunk", type=int, default=128)
     ap.add_argument("--dtype", default="float32")

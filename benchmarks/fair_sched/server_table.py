@@ -59,6 +59,15 @@ def table(folder: Path = RESULTS) -> str:
     return "\n".join(head + body) + "\n"
 
 
+def variant_options(d: dict[str, Any], name: str) -> str:
+    """A GPU run's variant `fair_sched/TAG` as its options, e.g. `decode_time_share=0.2`."""
+    for spec in d["settings"].get("variants", []):
+        tag, _, kvs = spec.partition(":")
+        if f"fair_sched/{tag}" == name:
+            return kvs
+    return "?"
+
+
 def gpu_table(folder: Path = RESULTS) -> str:
     """One row per trace and chunk of the GPU runs; stock servers that died are named."""
     head = ["| trace | chunk | load | requests | seeds | GPU | best stock (mean) | "
@@ -72,16 +81,19 @@ def gpu_table(folder: Path = RESULTS) -> str:
             trace, chunk = key.split("@")
             if "targets" not in cell:
                 continue
-            t = cell["targets"]
+            layers = s.get("layers", 32)
+            gpu = d["machine"]["gpu"].replace("NVIDIA ", "") + ("" if layers == 32 else f", {layers} layers")
             died = sorted({e["policy"] for e in d.get("errors") or [] if str(e["chunk"]) == chunk})
-            marks = [("-" if t[k]["value"] != t[k]["value"] else f"{t[k]['value']:.2f}" + ("" if t[k]["met"] else " *"))
-                     for k, _ in COLUMNS]
             stock_tpot = " / ".join(f"{cell[p]['vs_fcfs']['tpot_s_mean']:.2f}" if p in cell else "-"
                                     for p in ("shortest-prefill-first", "hrrn"))
-            body.append((trace, int(chunk), f"| {trace} | {chunk} | {s['load']} | {s['requests']} | "
-                         f"{cell['fair_sched']['seeds']} | {d['machine']['gpu'].replace('NVIDIA ', '')} | "
-                         f"{t['mean <= best stock']['against']} | " + " | ".join(marks)
-                         + f" | {stock_tpot} | {', '.join(died) or '-'} |"))
+            for ours, t in [("fair_sched", cell["targets"]), *sorted(cell.get("variant_targets", {}).items())]:
+                marks = [("-" if t[k]["value"] != t[k]["value"] else f"{t[k]['value']:.2f}" + ("" if t[k]["met"] else " *"))
+                         for k, _ in COLUMNS]
+                label = trace if ours == "fair_sched" else f"{trace}, {ours} ({variant_options(d, ours)})"
+                body.append((trace, int(chunk), f"| {label} | {chunk} | {s['load']} | {s['requests']} | "
+                             f"{cell[ours]['seeds']} | {gpu} | "
+                             f"{t['mean <= best stock']['against']} | " + " | ".join(marks)
+                             + f" | {stock_tpot} | {', '.join(died) or '-'} |"))
     return "\n".join(head + [row for _, _, row in sorted(body)]) + "\n"
 
 

@@ -13,6 +13,9 @@ benchmarks/fair_sched/serving.py; summaries: benchmarks/fair_sched/workload.py.
 
     python benchmarks/gpu/fair_sched_gpu.py --chunks 2048 8192 --traces bursty mooncake --requests 40 --out F.json [--cpu-dry-run]
 
+`--variant TAG:KEY=V[,KEY=V]` adds a fair_sched server with those options (`fair_sched/TAG`), run and
+checked against the same targets beside the defaults.
+
 Five 8B-shaped servers need an H200 (141 GB); `--layers 16` fits them on an 80 GB H100.
 """
 from __future__ import annotations
@@ -29,7 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "fair_sched"))
 from gpu_bench_common import Setup, header, log, write  # noqa: E402
-from serving import Job, run_jobs  # noqa: E402
+from serving import Job, parse_variant, run_jobs  # noqa: E402
 from targets import STOCK, check as check_targets  # noqa: E402
 from traces import Scale, make, prompt_ids  # noqa: E402
 from workload import summarize  # noqa: E402
@@ -43,6 +46,11 @@ KEYS = ("ttft_s", "ttft_short_s", "ttft_long_s")
 def jobs_of(reqs: list[Any], rate: float, salt: str, trace_chunk: int, tag: str) -> list[Job]:
     return [Job(f"{tag}-{i}", r.arrival_s / rate if rate > 0 else 0.0, prompt_ids(r, salt=salt), r.output_len,
                 "long" if r.input_len >= 8 * trace_chunk else "short") for i, r in enumerate(reqs)]
+
+
+def is_fair(policy: str) -> bool:
+    """fair_sched itself or one of its variants (`fair_sched/TAG`)."""
+    return policy == "fair_sched" or policy.startswith("fair_sched/")
 
 
 def flush(srv: Any) -> None:
@@ -73,16 +81,23 @@ def main() -> int:
     ap.add_argument("--out-tokens", type=int, nargs=2, default=[32, 128])
     ap.add_argument("--mem-fraction", type=float, default=0.9)
     ap.add_argument("--policies", nargs="+", default=list(POLICIES))
+    ap.add_argument("--variant", action="append", default=[], metavar="TAG:KEY=V[,KEY=V]",
+                    help="a fair_sched server with these options beside the others (fair_sched/TAG)")
     ap.add_argument("--layers", type=int, default=0,
                     help="hidden layers of the 8B-width model (0: 32, the 8B shape); fewer fit five servers on an 80 GB card")
     ap.add_argument("--cpu-dry-run", action="store_true")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
+    try:
+        variants = dict(map(parse_variant, a.variant))
+    except ValueError as exc:
+        ap.error(str(exc))
+    a.policies = [*a.policies, *variants]
     shape = {"num_hidden_layers": a.layers} if a.layers else {}
     setup = Setup(a.cpu_dry_run, max_positions=max(8192, a.max_prompt + 1024), **shape)
     scale = Scale(f"gpu{a.trace_chunk}", a.trace_chunk, a.max_prompt, a.out_tokens[0], a.out_tokens[1], 1 / 4, 14.0)
     res = header("benchmarks/gpu/fair_sched_gpu.py", "python " + " ".join(sys.argv), setup,
-                 {"traces": a.traces, "layers": a.layers or 32, "trace_chunk": a.trace_chunk, "max_prompt": a.max_prompt, "requests": a.requests,
+                 {"traces": a.traces, "variants": a.variant, "layers": a.layers or 32, "trace_chunk": a.trace_chunk, "max_prompt": a.max_prompt, "requests": a.requests,
                   "load": a.load, "seeds": a.seeds, "chunks": a.chunks, "policies": a.policies, "cal_requests": a.cal_requests,
                   "pool_tokens": a.pool_tokens, "output_tokens": a.out_tokens,
                   "long": f">= 8 x {a.trace_chunk} prompt tokens"})
@@ -93,14 +108,15 @@ def main() -> int:
     for chunk in a.chunks:
         servers: dict[str, Any] = {}
         for p in a.policies:
-            extra = ["--chunked-prefill-size", str(chunk), "--schedule-policy", "fcfs" if p == "fair_sched" else p]
+            ours = is_fair(p)
+            extra = ["--chunked-prefill-size", str(chunk), "--schedule-policy", "fcfs" if ours else p]
             if setup.cpu:
                 extra += ["--context-length", str(a.max_prompt + 1024)]
-            env = {"KLLM_FAIR_SCHED_PUBLISH_INTERVAL_S": "0.1"} if p == "fair_sched" else {}
+            env = {"KLLM_FAIR_SCHED_PUBLISH_INTERVAL_S": "0.1", **variants.get(p, {})} if ours else {}
             if setup.cpu:
                 env["SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"] = "1"
-            servers[p] = setup.server(["fair_sched"] if p == "fair_sched" else [], extra, env, a.pool_tokens,
-                                      a.mem_fraction, graphs=True, name=f"{p}-{chunk}")
+            servers[p] = setup.server(["fair_sched"] if ours else [], extra, env, a.pool_tokens,
+                                      a.mem_fraction, graphs=True, name=f"{p.replace('/', '-')}-{chunk}")
         try:
             t0 = time.perf_counter()
             start_all(list(servers.values()))
@@ -158,7 +174,7 @@ def run_one(a: Any, res: dict[str, Any], srv: Any, p: str, trace: str, chunk: in
             rate: float, solo_fn: Any, t_start: float) -> None:
     """One policy's run of one seed of one trace; a failure is recorded with the server's state."""
     flush(srv)
-    before = fair_counters(srv) if p == "fair_sched" else {}
+    before = fair_counters(srv) if is_fair(p) else {}
     t0 = time.perf_counter()
     try:
         outs = run_jobs(srv.base_url, jobs_of(reqs, rate, f"s{seed}", a.trace_chunk, f"{p}-{seed}"))
@@ -218,17 +234,21 @@ def metrics(runs: list[dict[str, Any]]) -> dict[str, Any]:
                                       if isinstance(fig[k], dict) and k in cell["fcfs"] and cell["fcfs"][k]["mean"] > 0}
             if "fair_sched" in cell:
                 cell["targets"] = targets(cell)
+            variants = [p for p in cell if p.startswith("fair_sched/")]
+            if variants:
+                cell["variant_targets"] = {p: targets(cell, p) for p in variants}
         out[cell_key] = cell
     return out
 
 
-def targets(cell: dict[str, Any]) -> dict[str, Any]:
-    """Issue 27's targets for fair_sched in one cell (seed means); stock policies whose runs failed are absent."""
+def targets(cell: dict[str, Any], ours: str = "fair_sched") -> dict[str, Any]:
+    """Issue 27's targets for fair_sched (or a variant, `ours`) in one cell (seed means); stock
+    policies whose runs failed are absent."""
     names = {"mean": "ttft_s_mean", "short_p90": "ttft_short_s_p90", "p99": "ttft_s_p99",
              "long_mean": "ttft_long_s_mean", "tpot": "tpot_s_mean", "throughput": "throughput_req_s"}
     means = {p: {k: cell[p][v]["mean"] if v in cell[p] else math.nan for k, v in names.items()}
-             for p in (*STOCK, "fair_sched") if p in cell}
-    return check_targets(means)
+             for p in (*STOCK, ours) if p in cell}
+    return check_targets(means, ours)
 
 if __name__ == "__main__":
     sys.exit(main())

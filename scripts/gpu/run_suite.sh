@@ -8,11 +8,11 @@
 #          matching $GPU_K (pytest -k) when set
 #   speed  benchmarks/gpu/serving_speed.py (SGLang on kllm_cuda vs transformers, same GPU)
 #   smollm2  the SmolLM2-135M end-to-end test alone (its GGUF joined from parts over several calls)
-#   incr_prefix, router, fair_sched, affinity, dspark  benchmarks/gpu/<name>_gpu.py (plugin rows, stock vs
-#          plugin; router = router_overhead, affinity = router_affinity, dspark = dspark_serving: SGLang's DSPARK,
-#          no speculation vs stock vs the plugin); extra arguments in $INCR_ARGS, $ROUTER_ARGS, $FAIR_ARGS,
-#          $AFF_ARGS, $DSPARK_ARGS; each benchmark step stopped after $KLLM_STEP_TIMEOUT_<SUITE>_S
-#          (e.g. KLLM_STEP_TIMEOUT_ROUTER_S) or else $KLLM_STEP_TIMEOUT_S (default 600)
+#   incr_prefix, router, fair_sched, fair_long, affinity, dspark  benchmarks/gpu/<name>_gpu.py (plugin rows,
+#          stock vs plugin; router = router_overhead, affinity = router_affinity, fair_long = fair_sched_long (one
+#          huge prompt in flight), dspark = dspark_serving: SGLang's DSPARK, no speculation vs stock vs the
+#          plugin); extra arguments in $INCR_ARGS, $ROUTER_ARGS, $FAIR_ARGS, $LONG_ARGS, $AFF_ARGS, $DSPARK_ARGS;
+#          each benchmark step stopped after $KLLM_STEP_TIMEOUT_<SUITE>_S (e.g. KLLM_STEP_TIMEOUT_ROUTER_S) or else $KLLM_STEP_TIMEOUT_S (default 600)
 #   router_bs  benchmarks/bigpd_router/bench_overhead.py --bench-serving: sglang.bench_serving direct vs
 #          through kllm-router, the fake backend and the tiny model on the GPU (--bs-gpu); arguments of both
 #          in $ROUTER_BS_ARGS, of the GPU one only in $ROUTER_BS_GPU_ARGS (e.g. --bs-pin auto); summary
@@ -75,11 +75,11 @@ for suite in "$@"; do
       KLLM_PROGRESS_JSONL="$OUT/smollm2-junit.xml.jsonl" pytest_limited tests/gpu/test_sglang_cuda_platform_gpu.py -v -rA \
         -p no:cacheprovider --timeout 600 -k smollm2 --junitxml "$OUT/smollm2-junit.xml" > "$OUT/smollm2.log" 2>&1; r=$?
       $PY scripts/gpu/summarize_junit.py "$OUT/smollm2-junit.xml" smollm2 "$OUT/smollm2.json" ;;
-    incr_prefix|router|fair_sched|affinity|dspark)
+    incr_prefix|router|fair_sched|fair_long|affinity|dspark)
       case $suite in incr_prefix) extra=${INCR_ARGS:-} ;; router) extra=${ROUTER_ARGS:-} ;; affinity) extra=${AFF_ARGS:-} ;;
-        dspark) extra=${DSPARK_ARGS:-} ;; *) extra=${FAIR_ARGS:-} ;; esac
+        dspark) extra=${DSPARK_ARGS:-} ;; fair_long) extra=${LONG_ARGS:-} ;; *) extra=${FAIR_ARGS:-} ;; esac
       script=$suite; [ "$suite" = router ] && script=router_overhead; [ "$suite" = affinity ] && script=router_affinity
-      [ "$suite" = dspark ] && script=dspark_serving
+      [ "$suite" = dspark ] && script=dspark_serving; [ "$suite" = fair_long ] && script=fair_sched_long
       timeout --kill-after=20 "$(step_limit $suite)" $PY "benchmarks/gpu/${script}_gpu.py" --out "$OUT/$suite.json" \
         $extra > "$OUT/$suite.log" 2>&1; r=$?
       device_cleanup ;;

@@ -50,3 +50,23 @@ def test_gpu_table_rows_are_sorted_and_name_stock_servers_that_exited(
     a, b = (ln.split(" | ") for ln in lines[2:])
     assert a[5] == "H200" and a[6] == "hrrn" and a[7] == "1.50 *" and a[-1] == "- |"
     assert b[-1] == "shortest-prefill-first |"
+
+
+def test_a_variant_is_checked_against_the_same_targets_and_gets_its_own_row(
+        bench_module: Callable[[str, str], ModuleType], tmp_path: Path) -> None:
+    g = bench_module("gpu", "fair_sched_gpu")
+    st = bench_module("fair_sched", "server_table")
+    runs = [_run("a", 2048, p, 0, m, m, tpot=t) for p, m, t in
+            (("fcfs", 4.0, 0.02), ("hrrn", 2.0, 0.02), ("fair_sched", 3.0, 0.04), ("fair_sched/ts", 1.8, 0.022))]
+    m = g.metrics(runs)
+    vt = m["a@2048"]["variant_targets"]["fair_sched/ts"]
+    assert vt["mean <= best stock"]["value"] == pytest.approx(0.9) and vt["mean <= best stock"]["met"]
+    assert vt["tpot <= 1.3x fcfs"]["value"] == pytest.approx(1.1) and vt["tpot <= 1.3x fcfs"]["met"]
+    assert not m["a@2048"]["targets"]["tpot <= 1.3x fcfs"]["met"]  # the defaults' own check is unchanged
+    doc = {"settings": {"load": 0.8, "requests": 30, "layers": 16, "variants": ["ts:decode_time_share=0.2"]},
+           "machine": {"gpu": "NVIDIA H200"}, "metrics": m}
+    (tmp_path / "gpu_v.json").write_text(json.dumps(doc))
+    rows = [ln.split(" | ") for ln in st.gpu_table(tmp_path).splitlines()[2:]]
+    assert [r[0] for r in rows] == ["| a", "| a, fair_sched/ts (decode_time_share=0.2)"]
+    assert rows[0][5] == rows[1][5] == "H200, 16 layers"
+    assert rows[0][11] == "2.00 *" and rows[1][11] == "1.10"  # TPOT vs fcfs: defaults missed, variant met

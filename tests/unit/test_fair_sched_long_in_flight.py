@@ -63,3 +63,21 @@ def test_variants_become_fair_sched_setups(bench_module: Callable[[str, str], Mo
     for bad in ("notag", ":a=1", "t:a", "t:a=1,b"):
         with pytest.raises(ValueError, match="TAG:KEY=V"):
             m.parse_variants([bad])
+
+
+def test_workload_draws_lengths_from_the_given_ranges_and_repeats_per_seed(
+        bench_module: Callable[[str, str], ModuleType]) -> None:
+    import argparse
+
+    m = bench_module("fair_sched", "long_in_flight")
+    ap = argparse.ArgumentParser()
+    m.add_length_args(ap, (1, 2), (3, 4))
+    a = ap.parse_args(["--short-len", "256", "4096", "--medium-len", "12000", "30000"])
+    a.long_tokens, a.long_out, a.shorts, a.mediums, a.rate, a.lead_s = 100_000, 4, 20, 3, 2.0, 0.5
+    jobs = m.workload(a, 0)
+    by = {k: [len(j.input_ids) for j in jobs if j.kind == k] for k in ("long", "short", "medium")}
+    assert by["long"] == [100_000] and len(by["short"]) == 20 and len(by["medium"]) == 3
+    assert all(256 <= n <= 4096 for n in by["short"]) and all(12_000 <= n <= 30_000 for n in by["medium"])
+    assert min(j.arrival_s for j in jobs if j.kind != "long") >= 0.5
+    assert [j.input_ids for j in m.workload(a, 0)] == [j.input_ids for j in jobs]
+    assert ap.parse_args([]).short_len == [1, 2]  # each benchmark's own defaults
