@@ -64,7 +64,7 @@ def fair_counters(srv: Any) -> dict[str, float]:
         total = srv.get_json("/kllm/stats").get("fair_sched", {}).get("total", {})
     except Exception:  # noqa: BLE001 - informative only
         return {}
-    return {k: float(total.get(k, 0)) for k in COUNTERS}
+    return {**{k: float(total.get(k, 0)) for k in COUNTERS}, "decode_run_max": float(total.get("decode_run_max", 0))}
 
 
 def main() -> int:
@@ -193,6 +193,7 @@ def run_one(a: Any, res: dict[str, Any], srv: Any, p: str, trace: str, chunk: in
     if before:
         after = fair_counters(srv)
         row["fair_sched_counters"] = {k: after.get(k, 0) - before.get(k, 0) for k in COUNTERS}
+        row["fair_sched_counters"]["decode_run_max"] = after.get("decode_run_max", 0)  # a maximum since start
     res["runs"].append(row)
     res["metrics"] = metrics(res["runs"])
     write(a.out, res)
