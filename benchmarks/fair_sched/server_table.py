@@ -82,7 +82,7 @@ def gpu_table(folder: Path = RESULTS) -> str:
             if "targets" not in cell:
                 continue
             layers = s.get("layers", 32)
-            gpu = d["machine"]["gpu"].replace("NVIDIA ", "") + ("" if layers == 32 else f", {layers} layers")
+            gpu = d["machine"]["gpu"].replace("NVIDIA ", "").split()[0] + ("" if layers == 32 else f", {layers} layers")
             died = sorted({e["policy"] for e in d.get("errors") or [] if str(e["chunk"]) == chunk})
             stock_tpot = " / ".join(f"{cell[p]['vs_fcfs']['tpot_s_mean']:.2f}" if p in cell else "-"
                                     for p in ("shortest-prefill-first", "hrrn"))
