@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results" / "fair_sched"
 DOC = ROOT / "docs" / "fair_sched.md"
 STOCK = ("fcfs", "lpm", "shortest-prefill-first", "hrrn")
+SHORT = {"shortest-prefill-first": "SPF"}
 # (target key in the summary, column heading)
 COLUMNS = (("mean <= best stock", "mean vs best stock"), ("short p90 <= best stock", "short P90 vs best stock"),
            ("p99 <= fcfs", "P99 vs fcfs"), ("long mean <= 1.25x fcfs", "long mean vs fcfs"),
@@ -44,12 +45,21 @@ def rows(summary: dict[str, Any]) -> list[str]:
             best += f" ({', '.join(sorted(exited))} exited)"
         marks = [f"{cell['targets'][k]['value']:.2f}" + ("" if cell["targets"][k]["met"] else " *")
                  for k, _ in COLUMNS]
-        same = all(v == 1.0 for v in cell["outputs_identical_to_fcfs"].values())
+        same = outputs_cell(cell["outputs_identical_to_fcfs"])
         out.append(f"| {summary['trace']} | {summary['chunk']} | {load} | {summary.get('requests_per_run', '')} | "
                    f"{summary['seeds']} | "
                    f"{str(summary.get('date', ''))[:10]} | {best} | "
-                   + " | ".join(marks) + f" | {'yes' if same else 'NO'} |")
+                   + " | ".join(marks) + f" | {same} |")
     return out
+
+
+def outputs_cell(shares: dict[str, float]) -> str:
+    """fair_sched's share of requests whose output equals fcfs's ("yes" when all), then the stock
+    policies that differ from fcfs, which show whether fcfs's own output was the odd one."""
+    own = shares.get("fair_sched", 1.0)
+    text = "yes" if own == 1.0 else f"NO: {100 * own:.1f}%"
+    others = [f"{SHORT.get(p, p)} {100 * v:.1f}%" for p, v in shares.items() if p != "fair_sched" and v != 1.0]
+    return text + (f" (stock: {', '.join(others)})" if others else "")
 
 
 def table(folder: Path = RESULTS) -> str:

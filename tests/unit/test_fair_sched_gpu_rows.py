@@ -70,3 +70,11 @@ def test_a_variant_is_checked_against_the_same_targets_and_gets_its_own_row(
     assert [r[0] for r in rows] == ["| a", "| a, fair_sched/ts (decode_time_share=0.2)"]
     assert rows[0][5] == rows[1][5] == "H200, 16 layers"
     assert rows[0][11] == "2.00 *" and rows[1][11] == "1.10"  # TPOT vs fcfs: defaults missed, variant met
+
+
+def test_outputs_column_gives_fair_scheds_share_and_names_stock_policies_that_differ(
+        bench_module: Callable[[str, str], ModuleType]) -> None:
+    st = bench_module("fair_sched", "server_table")
+    assert st.outputs_cell({"lpm": 1.0, "fair_sched": 1.0}) == "yes"
+    assert st.outputs_cell({"shortest-prefill-first": 0.997222, "fair_sched": 1.0}) == "yes (stock: SPF 99.7%)"
+    assert st.outputs_cell({"hrrn": 0.99, "fair_sched": 0.5}) == "NO: 50.0% (stock: hrrn 99.0%)"

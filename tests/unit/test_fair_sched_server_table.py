@@ -30,7 +30,7 @@ def test_rows_mark_missed_targets_and_name_the_best_stock_policy(
     row = lines[2].split(" | ")
     assert row[3] == "120" and row[5] == "2026-12-05"  # requests a run, the day it was recorded
     assert row[6] == "shortest-prefill-first" and row[9] == "1.10 *" and row[7] == "1.10"
-    assert row[-1] == "NO |"  # one policy's outputs differ from fcfs
+    assert row[-1] == "yes (stock: lpm 99.0%) |"  # fair_sched's outputs equal fcfs's; lpm's differ on 1%
     (tmp_path / "server_x_128.json").write_text(json.dumps(
         {"trace": "x", "chunk": 128, "seeds": 3, "date": "2026-12-05T00:56:47Z", "requests_per_run": 120,
          "metrics": {"cells": {"0.85": cell}, "servers_exited": {"lpm": {"seed": 1}}}}))
