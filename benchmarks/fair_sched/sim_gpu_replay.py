@@ -1,5 +1,5 @@
 """What-if check (a model, not a measurement): the GPU rows of fair_sched asked of the simulated
-clock. For every cell recorded by `benchmarks/gpu/fair_sched_gpu.py` (`gpu_*.json`: trace, chunk,
+clock. For every H200 cell of the 8B shape recorded by `benchmarks/gpu/fair_sched_gpu.py` (`gpu_*.json`: trace, chunk,
 requests, load), `sim_engine.py` with its H200-fitted costs replays the same requests (the GPU
 harness's trace scale, lengths in chunks of 2048 cut at 40,960), at the same fraction of the fcfs
 capacity measured the same way (a burst of the calibration requests), then the same cell on
@@ -50,6 +50,8 @@ def gpu_cells(folder: Path = RESULTS) -> list[dict[str, Any]]:
     for path in sorted(folder.glob("gpu_*.json")):
         d = json.loads(path.read_text(encoding="utf-8"))
         s = d["settings"]
+        if s.get("layers", 32) != 32 or d["machine"].get("gpu", "").find("H200") < 0:
+            continue  # the model's costs are fitted to the 8B shape (32 layers) on the H200
         cal = int(s.get("cal_requests") or _flag(d["command"], "--cal-requests", "24"))  # 24: the harness's default
         for key, cell in d["metrics"].items():
             if "targets" in cell:
