@@ -120,6 +120,9 @@ class _State:
         snap["waiting_long_rids"] = longs[:16]
         snap["dp_rank"] = int(getattr(self.sched, "dp_rank", 0) or 0)
         snap["suspended_partials"] = len(self.suspended_reqs)
+        snap["timing_lag"] = self.policy.timing_lag
+        cost = self.policy.decode_cost_s
+        snap["decode_step_ms"] = None if cost is None else round(1e3 * cost, 3)
         return snap
 
     def publish(self, changed: bool) -> None:
@@ -149,12 +152,22 @@ def _ensure_state(scheduler: Any) -> _State | None:
         logger.info("fair_sched: policy %s", _state.policy.params)
     if _state.sched is None:
         _state.sched = scheduler
+        _state.policy.timing_lag = timing_lag(scheduler)
+        logger.info("fair_sched: pass timing lag %d", _state.policy.timing_lag)
         if _state.cfg.mixed_decode and not getattr(scheduler, "is_mixed_chunk", True) and _mixable(scheduler):
             # Stall-free prefill: SGLang's mixed chunk adds one decode token per running request
             # to each prefill pass (and takes them from that pass's chunk budget).
             scheduler.is_mixed_chunk = True
             logger.info("fair_sched: mixed decode on (running requests decode inside prefill passes)")
     return _state
+
+
+def timing_lag(scheduler: Any) -> int:
+    """1 where SGLang's overlap scheduler runs on an asynchronous device: it launches pass i, then
+    waits for pass i-1, so the time between two plan calls is pass i-1's (FairPolicy.timing_lag).
+    On the CPU a pass runs inside the launch, so that time is pass i's."""
+    overlap = bool(getattr(scheduler, "enable_overlap", False))
+    return 1 if overlap and str(getattr(scheduler, "device", "cpu")) != "cpu" else 0
 
 
 def _mixable(scheduler: Any) -> bool:

@@ -348,3 +348,14 @@ def test_snapshot_reports_the_waiting_long_queue_and_active_quota(env: SimpleNam
     assert snap["waiting_reqs"] == 2 and snap["waiting_long_reqs"] == 1 and snap["waiting_long_rids"] == ["L1"]
     assert snap["active_long"]["rid"] == "A" and snap["active_long"]["computed_tokens"] == 128
     assert snap["active_long"]["quota_tokens"] == 128 and snap["base_quota_tokens"] == 128
+
+
+def test_pass_timing_lags_one_pass_only_for_the_overlap_scheduler_on_an_asynchronous_device(adapter: Any) -> None:
+    from kllm_plugins.plugins.fair_sched import sglang_adapter
+
+    def sched(overlap: bool, device: str) -> SimpleNamespace:
+        return SimpleNamespace(enable_overlap=overlap, device=device)
+
+    assert sglang_adapter.timing_lag(sched(True, "cuda")) == 1
+    assert sglang_adapter.timing_lag(sched(False, "cuda")) == 0  # --disable-overlap-schedule
+    assert sglang_adapter.timing_lag(sched(True, "cpu")) == 0  # a CPU pass ends inside its launch

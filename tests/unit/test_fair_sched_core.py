@@ -192,6 +192,49 @@ def test_decode_time_share_takes_decode_steps_in_a_row_when_behind() -> None:
         off.note_prefill()
 
 
+def _overlapped(pol: FairPolicy, n: int, prefill_s: float, decode_s: float) -> str:
+    """Plan calls timed as SGLang's overlap scheduler on a GPU times them: pass i is launched and
+    pass i-1 awaited, so the next plan call comes when pass i-1 ends."""
+    waiting = [WaitingItem("w", 1000, 0, 0)]
+    now, prev, steps = 0.0, 0.0, []
+    for _ in range(n):
+        plan = pol.plan(waiting, decode_running=True, now=now, running_reqs=4)
+        if plan.action == "yield" and plan.yield_to == "decode":
+            steps.append("d")
+            took = decode_s
+        else:
+            steps.append("p")
+            pol.note_prefill()
+            took = prefill_s
+        now += prev  # this call waited for the previous pass
+        prev = took
+    return "".join(steps)
+
+
+@pytest.mark.parametrize("share", [0.5, 0.25, 0.1])
+def test_decode_time_share_under_overlap_timing_needs_the_lag(share: float) -> None:
+    def decode_time(steps: str) -> float:  # prefill passes of 0.3 s, decode steps of 0.1 s
+        return 0.1 * steps.count("d") / (0.1 * steps.count("d") + 0.3 * steps.count("p"))
+
+    lagged = FairPolicy(params(decode_time_share=share))
+    lagged.timing_lag = 1
+    assert decode_time(_overlapped(lagged, 80, 0.3, 0.1)) == pytest.approx(share, abs=0.03)
+    # Read without the lag, the prefill pass that ends during a decode step is charged to that
+    # step: the share looks met too soon, and decode gets a third of it or less.
+    unlagged = FairPolicy(params(decode_time_share=share))
+    assert decode_time(_overlapped(unlagged, 80, 0.3, 0.1)) < 0.4 * share
+
+
+def test_decode_cost_under_overlap_timing_is_the_decode_steps_own() -> None:
+    lagged = FairPolicy(params(decode_share=0.2))
+    lagged.timing_lag = 1
+    _overlapped(lagged, 20, 0.3, 0.1)
+    assert lagged.decode_cost_s == pytest.approx(0.1)
+    unlagged = FairPolicy(params(decode_share=0.2))
+    _overlapped(unlagged, 20, 0.3, 0.1)
+    assert unlagged.decode_cost_s > 0.2  # the prefill passes it waited on
+
+
 def test_quota_growth_sequence_is_capped() -> None:
     p = params(base_quota_tokens=128, quota_growth=2.0, max_quota_tokens=1000)
     assert [p.quota_after(i) for i in range(6)] == [128, 256, 512, 1000, 1000, 1000]

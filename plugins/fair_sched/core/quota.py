@@ -316,7 +316,6 @@ class FairPolicy:
         self.decode_cost_s: float | None = None
         """Moving average of a decode step's duration (with `decode_share`)."""
         self.last_decode_end_s = -math.inf
-        self._decode_began: float | None = None
         self._keys: dict[str, float] = {}
         """Keys of the requests seen by the last `order` call (for `start_long`)."""
         self.suspended: list[LongState] = []
@@ -324,7 +323,13 @@ class FairPolicy:
         self.busy_s = {"prefill": 0.0, "decode": 0.0}
         """Time spent prefilling and decoding since prompts began waiting (`decode_time_share`)."""
         self._last_plan_s: float | None = None
-        self._last_pass: str | None = None
+        self._kinds: list[str | None] = []
+        """Kinds of the passes planned at the last plan calls, newest last (set by note_*)."""
+        self.timing_lag = 0
+        """Which pass the time between two plan calls measures: 0, the one planned at the first of
+        them; 1, the one before it. SGLang's overlap scheduler on an asynchronous device (a GPU)
+        launches pass i and then waits for pass i-1, so the next plan call comes when pass i-1
+        ends (set by the adapter)."""
         self.decode_run = 0
         """Decode steps in a row since the last prefill pass (at most TIME_SHARE_MAX_RUN)."""
 
@@ -349,36 +354,44 @@ class FairPolicy:
             return p.budget_tokens
         return min(max(budget, p.min_long_tokens), p.budget_tokens)
 
+    def _note_kind(self, kind: str) -> None:
+        if self._kinds:
+            self._kinds[-1] = kind
+        else:
+            self._kinds.append(kind)
+
     def note_decode(self, now: float) -> None:
         """A pass decoded the running requests at clock `now` (seconds)."""
         self.last_decode_s = now
         self.prefills_since_decode = 0
-        self._decode_began = now
-        self._last_pass = "decode"
-
-    def _clock(self, now: float | None) -> None:
-        """The first call after a decode pass ends it: its duration feeds the decode-cost estimate."""
-        if now is None or self._decode_began is None:
-            return
-        took = max(now - self._decode_began, 0.0)
-        self.decode_cost_s = took if self.decode_cost_s is None else 0.8 * self.decode_cost_s + 0.2 * took
-        self.last_decode_end_s = now
-        self._decode_began = None
+        self._note_kind("decode")
 
     def note_prefill(self) -> None:
         """A pass prefilled something (any request): it counts toward the next decode step."""
         self.prefills_since_decode += 1
-        self._last_pass = "prefill"
+        self._note_kind("prefill")
         self.decode_run = 0
 
-    def _account(self, now: float | None, prompts_wait: bool) -> None:
-        """The time since the last plan goes to the kind of pass that ran in it (`decode_time_share`);
-        the account restarts when no prompt waits."""
+    def _clock(self, now: float | None) -> None:
+        """The time since the last plan call measured one pass (`timing_lag` says which): a decode
+        step's feeds the decode-cost estimate, and with `decode_time_share` either kind's goes to
+        its account."""
         if now is None:
             return
-        if self._last_plan_s is not None and self._last_pass is not None:
-            self.busy_s[self._last_pass] += max(now - self._last_plan_s, 0.0)
-        self._last_plan_s, self._last_pass = now, None
+        lag = self.timing_lag
+        if self._last_plan_s is not None and len(self._kinds) > lag:
+            kind, took = self._kinds[-1 - lag], max(now - self._last_plan_s, 0.0)
+            if kind == "decode":
+                self.decode_cost_s = took if self.decode_cost_s is None else 0.8 * self.decode_cost_s + 0.2 * took
+                self.last_decode_end_s = now
+            if kind is not None and self.params.decode_time_share > 0:
+                self.busy_s[kind] += took
+        self._last_plan_s = now
+        self._kinds = self._kinds[len(self._kinds) - lag:] if lag else []
+        self._kinds.append(None)
+
+    def _account(self, prompts_wait: bool) -> None:
+        """The `decode_time_share` account restarts when no prompt waits."""
         if not prompts_wait:
             self.busy_s = {"prefill": 0.0, "decode": 0.0}
 
@@ -429,7 +442,7 @@ class FairPolicy:
         self._clock(now)
         prompts_wait = bool(waiting) or a is not None or bool(self.suspended)
         if p.decode_time_share > 0:
-            self._account(now, prompts_wait)
+            self._account(prompts_wait)
         if decode_running and (self._decode_due(now, running_reqs) or (prompts_wait and self._time_share_due())):
             # Decode steps do not wait for the prefills (SGLang decodes only in passes without
             # one): one after every `decode_every_chunks` prefill passes, whoever they served.
