@@ -120,6 +120,9 @@ class Engine:
     clock: int = 0
     t: float = 0.0
     passes: int = 0
+    seen_t: float = 0.0
+    """The clock a plugin policy reads when it plans: `t`, or with `overlap` timing the start of
+    the pass just run (SGLang's overlap scheduler on a GPU plans pass i+1 when pass i starts)."""
 
 
 def _stock_order(e: Engine, policy: str) -> list[Req]:
@@ -194,7 +197,7 @@ class FairSingle:
             c = self.suspended.pop(back.rid) if back is not None else None
             if c is not None:
                 e.partial.append(c)
-        plan = pol.plan(items, bool(e.running), now=e.t, running_reqs=len(e.running))
+        plan = pol.plan(items, bool(e.running), now=e.seen_t, running_reqs=len(e.running))
         if plan.action == "yield" and plan.yield_to == "decode":
             return None
         suspending = plan.action == "yield" and plan.yield_to == "partial"
@@ -247,7 +250,7 @@ class FairMulti:
         self.pp, self.pol = pp, FairPolicy(qp)
 
     def plan(self, e: Engine) -> list[tuple[Req, int]] | None:
-        if self.pol.plan([], bool(e.running), now=e.t, running_reqs=len(e.running)).action == "yield":
+        if self.pol.plan([], bool(e.running), now=e.seen_t, running_reqs=len(e.running)).action == "yield":
             return None
         cands = [Candidate(str(r.rid), r.rem, r.clock, r.seq, r.work, r in e.partial) for r in e.partial + e.waiting]
         by_id = {str(r.rid): r for r in e.partial + e.waiting}
@@ -282,22 +285,27 @@ def _decode_one_token(e: Engine) -> int:
     return done
 
 
-def simulate(trace: list[TraceRequest], rate: float, policy: Any, chunk: int, cm: Costs, seed: int = 0) -> list[Req]:
-    """Run `trace` (1 req/s timestamps) at `rate` req/s (0: all at once); return the requests."""
+def simulate(trace: list[TraceRequest], rate: float, policy: Any, chunk: int, cm: Costs, seed: int = 0,
+             overlap: bool = False) -> list[Req]:
+    """Run `trace` (1 req/s timestamps) at `rate` req/s (0: all at once); return the requests.
+    `overlap`: the policy reads the clock as under SGLang's overlap scheduler on a GPU (Engine.seen_t)."""
     tie = random.Random(seed)
     reqs = [Req(i, (x.arrival_s / rate) if rate > 0 else 0.0, x.input_len, x.output_len, seq=i, tie=tie.random())
             for i, x in enumerate(trace)]
     e = Engine(chunk, cm)
     nxt = finished = 0
+    began = 0.0  # when the last pass started
     while finished < len(reqs):
         while nxt < len(reqs) and reqs[nxt].arrival <= e.t:
             reqs[nxt].clock = e.clock
             e.waiting.append(reqs[nxt])
             nxt += 1
         if not e.waiting and not e.partial and not e.running:
-            e.t = reqs[nxt].arrival
+            e.t = began = reqs[nxt].arrival
             continue
+        e.seen_t = began if overlap else e.t
         rows = plan_stock(e, policy) if isinstance(policy, str) else policy.plan(e)
+        began = e.t
         if rows:
             e.t += cm.prefill([(k, r.done) for r, k in rows])
             if getattr(policy, "mixed", False) and e.running:
@@ -327,11 +335,11 @@ def simulate(trace: list[TraceRequest], rate: float, policy: Any, chunk: int, cm
                 policy.observe(rows)
         elif e.running:
             if not isinstance(policy, str):
-                policy.note_decode(e.t)
+                policy.note_decode(e.seen_t)
             e.t += cm.decode([r.work + r.tokens for r in e.running])
             finished += _decode_one_token(e)
         elif nxt < len(reqs):
-            e.t = max(e.t, reqs[nxt].arrival)
+            e.t = began = max(e.t, reqs[nxt].arrival)
         else:
             raise RuntimeError(f"stuck: {len(e.waiting)} waiting, {len(e.partial)} partial")
     return reqs

@@ -77,10 +77,15 @@ def simulate_cell(c: dict[str, Any], seeds: int) -> dict[str, Any]:
     long_tokens = 8 * c["trace_chunk"] - 1  # the GPU harness: long = at least 8 trace chunks
     jobs = [tr.make(c["trace"], scale, c["requests"], seed) for seed in range(seeds)]
 
-    def runs(policy: str, env: list[str]) -> list[dict[str, float]]:
+    def runs(policy: str, env: list[str], overlap: bool = False, lag: int = 0) -> list[dict[str, float]]:
         cfg = grid.config_from(env)
-        return [se.summary(se.simulate(j, c["load"] * cap, se.make_policy(policy, chunk, cfg), chunk, cm, seed),
-                           long_tokens) for seed, j in enumerate(jobs)]
+        out = []
+        for seed, j in enumerate(jobs):
+            pol = se.make_policy(policy, chunk, cfg)
+            if not isinstance(pol, str):
+                pol.pol.timing_lag = lag
+            out.append(se.summary(se.simulate(j, c["load"] * cap, pol, chunk, cm, seed, overlap=overlap), long_tokens))
+        return out
 
     at = {p: runs(p, []) for p in POLICIES}
     per_seed = [grid.checks({p: [at[p][i]] for p in POLICIES}, "fair_sched") for i in range(seeds)]
@@ -95,6 +100,12 @@ def simulate_cell(c: dict[str, Any], seeds: int) -> dict[str, Any]:
     trade.update({f"decode_share {d}": runs("fair_sched", [f"decode_share={d}"]) for d in DECODE_SHARES})
     trade.update({f"decode_time_share {x}": runs("fair_sched", ["decode_share=0", f"decode_time_share={x}"])
                   for x in TIME_SHARES})
+    # The clock as SGLang's overlap scheduler on a GPU gives it (a pass timed when the next one
+    # starts): read without the one-pass lag (fair_sched before b5a7031, every GPU row so far)
+    # and with it.
+    for lag in (0, 1):
+        trade[f"decode_time_share 0.2, overlap timing, lag {lag}"] = runs(
+            "fair_sched", ["decode_share=0", "decode_time_share=0.2"], overlap=True, lag=lag)
     out["tpot_p99_vs_fcfs"] = {name: {k: round(statistics.fmean(r[k] for r in rs) / fcfs[k], 3) for k in fcfs}
                                for name, rs in trade.items()}
     return out
