@@ -34,3 +34,27 @@ def test_mediums_overtake_a_long_prefill_only_with_several_partial_prefills(
     before = [m.first_s < long_.first_s for m in mediums]
     assert before == ([True, True] if max_partial == 2 else [False, False])
     assert all(s.first_s < long_.first_s for s in shorts)  # riders, either way
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_overlap_timing_shows_the_policy_the_start_of_the_pass_just_run(
+        bench_module: Callable[[str, str], ModuleType], overlap: bool) -> None:
+    se = bench_module("fair_sched", "sim_engine")
+    tr = bench_module("fair_sched", "traces")
+    grid = bench_module("fair_sched", "grid")
+    seen: list[tuple[float, float]] = []
+
+    class Recording(se.FairSingle):
+        def plan(self, e):  # type: ignore[no-untyped-def]
+            seen.append((e.t, e.seen_t))
+            return super().plan(e)
+
+    pol = Recording(grid.config_from([]).quota_params(128))
+    trace = [tr.TraceRequest(0.0, 1000, 4, ()), tr.TraceRequest(0.1, 60, 4, ())]
+    reqs = se.simulate(trace, 1.0, pol, 128, se.COSTS["cpu"], overlap=overlap)
+    assert all(r.tokens == r.out for r in reqs)
+    assert len(seen) > 5
+    for (t_prev, _), (t, seen_t) in zip(seen, seen[1:]):
+        # back to back, a plan comes when the pass planned before it ends; overlap timing shows
+        # the policy when that pass began, which is when the plan before it came
+        assert seen_t == (t_prev if overlap and t_prev < t else t)
