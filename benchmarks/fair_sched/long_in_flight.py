@@ -53,11 +53,23 @@ def parse_variants(specs: Sequence[str]) -> dict[str, Setup]:
     return {name: (["fair_sched"], env, "fcfs") for name, env in map(parse_variant, specs)}
 
 
-def add_length_args(ap: argparse.ArgumentParser, short: tuple[int, int], medium: tuple[int, int]) -> None:
+def add_workload_args(ap: argparse.ArgumentParser, long_tokens: int, rate: float, lead_s: float,
+                      short: tuple[int, int], medium: tuple[int, int], chunk: int) -> None:
+    """The workload's and the setups' options, with each benchmark's own defaults (CPU or GPU sizes)."""
+    ap.add_argument("--seeds", type=int, default=2)
+    ap.add_argument("--long-tokens", type=int, default=long_tokens)
+    ap.add_argument("--long-out", type=int, default=4)
+    ap.add_argument("--shorts", type=int, default=24)
+    ap.add_argument("--mediums", type=int, default=3)
+    ap.add_argument("--rate", type=float, default=rate, help="short arrivals per second")
+    ap.add_argument("--lead-s", type=float, default=lead_s, help="when the first short arrives")
     ap.add_argument("--short-len", type=int, nargs=2, default=list(short), metavar=("MIN", "MAX"),
                     help="short prompt tokens, uniform in [MIN, MAX]")
     ap.add_argument("--medium-len", type=int, nargs=2, default=list(medium), metavar=("MIN", "MAX"),
                     help="medium prompt tokens, uniform in [MIN, MAX]")
+    ap.add_argument("--chunk", type=int, default=chunk)
+    ap.add_argument("--setups", nargs="+", default=list(SETUPS))
+    ap.add_argument("--variant", action="append", default=[], metavar="TAG:KEY=V[,KEY=V]")
 
 
 def workload(a: argparse.Namespace, seed: int) -> list[Job]:
@@ -187,19 +199,9 @@ def print_tables(summary: dict[str, Any]) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--seeds", type=int, default=2)
-    ap.add_argument("--long-tokens", type=int, default=7900)
-    ap.add_argument("--long-out", type=int, default=4)
-    ap.add_argument("--shorts", type=int, default=24)
-    ap.add_argument("--mediums", type=int, default=3)
-    ap.add_argument("--rate", type=float, default=10.0, help="short arrivals per second")
-    add_length_args(ap, (32, 256), (600, 1500))
-    ap.add_argument("--lead-s", type=float, default=0.1, help="when the first short arrives")
-    ap.add_argument("--chunk", type=int, default=128)
+    add_workload_args(ap, long_tokens=7900, rate=10.0, lead_s=0.1, short=(32, 256), medium=(600, 1500), chunk=128)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--max-total-tokens", type=int, default=32768)
-    ap.add_argument("--setups", nargs="+", default=list(SETUPS))
-    ap.add_argument("--variant", action="append", default=[], metavar="TAG:KEY=V[,KEY=V]")
     ap.add_argument("--shared", default="shared 2-core, one benchmark at a time", help="what shares the machine")
     ap.add_argument("--no-record", action="store_true")
     a = ap.parse_args()

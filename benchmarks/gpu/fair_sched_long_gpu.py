@@ -26,7 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "fair_sched"))
 from gpu_bench_common import Setup, header, log, write  # noqa: E402
-from long_in_flight import (COUNTERS, SETUPS, add_length_args, parse_variants, print_tables, run_metrics,  # noqa: E402
+from long_in_flight import (COUNTERS, SETUPS, add_workload_args, parse_variants, print_tables, run_metrics,  # noqa: E402
                             same_outputs, summarize, workload)
 from serving import Job, run_jobs  # noqa: E402
 
@@ -43,20 +43,11 @@ def counters(srv: Any) -> dict[str, float]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--seeds", type=int, default=2)
-    ap.add_argument("--long-tokens", type=int, default=100_000)
-    ap.add_argument("--long-out", type=int, default=4)
-    ap.add_argument("--shorts", type=int, default=24)
-    ap.add_argument("--mediums", type=int, default=3)
-    ap.add_argument("--rate", type=float, default=2.0, help="short arrivals per second")
-    ap.add_argument("--lead-s", type=float, default=0.5, help="when the first short arrives")
-    add_length_args(ap, (256, 4096), (12_000, 30_000))
-    ap.add_argument("--chunk", type=int, default=8192)
+    add_workload_args(ap, long_tokens=100_000, rate=2.0, lead_s=0.5, short=(256, 4096), medium=(8000, 20_000),
+                      chunk=8192)
     ap.add_argument("--layers", type=int, default=8, help="hidden layers of the 8B-width model (32: the 8B shape)")
-    ap.add_argument("--pool-tokens", type=int, default=200_000)
+    ap.add_argument("--pool-tokens", type=int, default=140_000)
     ap.add_argument("--mem-fraction", type=float, default=0.9)
-    ap.add_argument("--setups", nargs="+", default=list(SETUPS))
-    ap.add_argument("--variant", action="append", default=[], metavar="TAG:KEY=V[,KEY=V]")
     ap.add_argument("--cpu-dry-run", action="store_true")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()

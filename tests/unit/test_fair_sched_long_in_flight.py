@@ -71,9 +71,8 @@ def test_workload_draws_lengths_from_the_given_ranges_and_repeats_per_seed(
 
     m = bench_module("fair_sched", "long_in_flight")
     ap = argparse.ArgumentParser()
-    m.add_length_args(ap, (1, 2), (3, 4))
-    a = ap.parse_args(["--short-len", "256", "4096", "--medium-len", "12000", "30000"])
-    a.long_tokens, a.long_out, a.shorts, a.mediums, a.rate, a.lead_s = 100_000, 4, 20, 3, 2.0, 0.5
+    m.add_workload_args(ap, long_tokens=100_000, rate=2.0, lead_s=0.5, short=(1, 2), medium=(3, 4), chunk=8192)
+    a = ap.parse_args(["--short-len", "256", "4096", "--medium-len", "12000", "30000", "--shorts", "20"])
     jobs = m.workload(a, 0)
     by = {k: [len(j.input_ids) for j in jobs if j.kind == k] for k in ("long", "short", "medium")}
     assert by["long"] == [100_000] and len(by["short"]) == 20 and len(by["medium"]) == 3
