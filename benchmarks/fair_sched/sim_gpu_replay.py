@@ -100,6 +100,8 @@ def simulate_cell(c: dict[str, Any], seeds: int) -> dict[str, Any]:
     trade.update({f"decode_share {d}": runs("fair_sched", [f"decode_share={d}"]) for d in DECODE_SHARES})
     trade.update({f"decode_time_share {x}": runs("fair_sched", ["decode_share=0", f"decode_time_share={x}"])
                   for x in TIME_SHARES})
+    # SGLang's mixed chunk (fair_sched's mixed_decode): every prefill pass also decodes the running requests.
+    trade["mixed_decode"] = runs("fair_sched", ["mixed_decode=1"])
     # The clock as SGLang's overlap scheduler on a GPU gives it (a pass timed when the next one
     # starts): read without the one-pass lag (fair_sched before b5a7031, every GPU row so far)
     # and with it.
