@@ -323,11 +323,13 @@ class FairPolicy:
         self.busy_s = {"prefill": 0.0, "decode": 0.0}
         """Time spent prefilling and decoding since prompts began waiting (`decode_time_share`)."""
         self._last_plan_s: float | None = None
-        self._kinds: list[str | None] = []
-        """Kinds of the passes planned at the last plan calls, newest last (set by note_*)."""
+        self._pass_kind: str | None = None
+        """Kind of the pass planned at the last plan call ("prefill", "decode"; set by note_*)."""
+        self._prev_kind: str | None = None
+        """Kind of the pass planned at the plan call before it."""
         self.timing_lag = 0
-        """Which pass the time between two plan calls measures: 0, the one planned at the first of
-        them; 1, the one before it. SGLang's overlap scheduler on an asynchronous device (a GPU)
+        """Which pass the time between two plan calls measures (0 or 1): 0, the one planned at the
+        first of them; 1, the one before it. SGLang's overlap scheduler on an asynchronous device (a GPU)
         launches pass i and then waits for pass i-1, so the next plan call comes when pass i-1
         ends (set by the adapter)."""
         self.decode_run = 0
@@ -354,22 +356,16 @@ class FairPolicy:
             return p.budget_tokens
         return min(max(budget, p.min_long_tokens), p.budget_tokens)
 
-    def _note_kind(self, kind: str) -> None:
-        if self._kinds:
-            self._kinds[-1] = kind
-        else:
-            self._kinds.append(kind)
-
     def note_decode(self, now: float) -> None:
         """A pass decoded the running requests at clock `now` (seconds)."""
         self.last_decode_s = now
         self.prefills_since_decode = 0
-        self._note_kind("decode")
+        self._pass_kind = "decode"
 
     def note_prefill(self) -> None:
         """A pass prefilled something (any request): it counts toward the next decode step."""
         self.prefills_since_decode += 1
-        self._note_kind("prefill")
+        self._pass_kind = "prefill"
         self.decode_run = 0
 
     def _clock(self, now: float | None) -> None:
@@ -378,22 +374,16 @@ class FairPolicy:
         its account."""
         if now is None:
             return
-        lag = self.timing_lag
-        if self._last_plan_s is not None and len(self._kinds) > lag:
-            kind, took = self._kinds[-1 - lag], max(now - self._last_plan_s, 0.0)
+        kind = self._prev_kind if self.timing_lag else self._pass_kind
+        if self._last_plan_s is not None and kind is not None:
+            took = max(now - self._last_plan_s, 0.0)
             if kind == "decode":
                 self.decode_cost_s = took if self.decode_cost_s is None else 0.8 * self.decode_cost_s + 0.2 * took
                 self.last_decode_end_s = now
-            if kind is not None and self.params.decode_time_share > 0:
+            if self.params.decode_time_share > 0:
                 self.busy_s[kind] += took
         self._last_plan_s = now
-        self._kinds = self._kinds[len(self._kinds) - lag:] if lag else []
-        self._kinds.append(None)
-
-    def _account(self, prompts_wait: bool) -> None:
-        """The `decode_time_share` account restarts when no prompt waits."""
-        if not prompts_wait:
-            self.busy_s = {"prefill": 0.0, "decode": 0.0}
+        self._prev_kind, self._pass_kind = self._pass_kind, None
 
     def _time_share_due(self) -> bool:
         share = self.params.decode_time_share
@@ -441,8 +431,8 @@ class FairPolicy:
         a = self.active
         self._clock(now)
         prompts_wait = bool(waiting) or a is not None or bool(self.suspended)
-        if p.decode_time_share > 0:
-            self._account(prompts_wait)
+        if p.decode_time_share > 0 and not prompts_wait:  # the account restarts when no prompt waits
+            self.busy_s["prefill"] = self.busy_s["decode"] = 0.0
         if decode_running and (self._decode_due(now, running_reqs) or (prompts_wait and self._time_share_due())):
             # Decode steps do not wait for the prefills (SGLang decodes only in passes without
             # one): one after every `decode_every_chunks` prefill passes, whoever they served.
