@@ -30,7 +30,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from report import POLICIES, append_results_md, plot, table, write_json  # noqa: E402
-from serving import Job, run_jobs, sglang_server  # noqa: E402
+from serving import Job, fair_totals, run_jobs, sglang_server  # noqa: E402
 from workload import MIXES, Mix, make_trace, summarize  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -132,11 +132,7 @@ def flush_cache(srv: Any) -> None:
 
 
 def counters(srv: Any) -> dict[str, float]:
-    try:
-        total = srv.get_json("/kllm/stats").get("fair_sched", {}).get("total", {})
-    except Exception:  # noqa: BLE001 - stats are informative only
-        return {}
-    return {k: total.get(k, 0) for k in COUNTERS}
+    return fair_totals(srv, COUNTERS)
 
 
 def main() -> None:

@@ -34,7 +34,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from serving import Job, Outcome, parse_variant, run_jobs  # noqa: E402
+from serving import Job, Outcome, fair_totals, parse_variant, run_jobs  # noqa: E402
 
 from kllm_plugins.bench.record import record  # noqa: E402
 from kllm_plugins.bench.schedule import poisson  # noqa: E402
@@ -131,8 +131,7 @@ def one_run(name: str, setup: Setup, a: argparse.Namespace, seed: int) -> tuple[
         outs = run_jobs(srv.base_url, workload(a, seed))
         row: dict[str, Any] = {"setup": name, "seed": seed, **run_metrics(outs)}
         if plugins:
-            total = srv.get_json("/kllm/stats").get("fair_sched", {}).get("total", {})
-            row.update({k: total.get(k, 0) for k in COUNTERS})
+            row.update(fair_totals(srv, COUNTERS))
         return row, outs
     finally:
         srv.stop()

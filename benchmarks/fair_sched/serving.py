@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import aiohttp
-import requests
 
 from kllm_plugins.bench.client import astream
 
@@ -121,5 +120,11 @@ def run_jobs(url: str, jobs: Sequence[Job]) -> list[Outcome]:
     return asyncio.run(_run(url, jobs))
 
 
-def stats(url: str) -> dict[str, Any]:
-    return requests.get(url + "/kllm/stats", timeout=5).json()
+def fair_totals(srv: Any, keys: Sequence[str]) -> dict[str, float]:
+    """fair_sched's counters `keys` over all ranks (`/kllm/stats`, `SGLangServer.get_json`), 0 for
+    one it lacks; {} when the server does not answer (the counters are informative only)."""
+    try:
+        total = srv.get_json("/kllm/stats").get("fair_sched", {}).get("total", {})
+    except Exception:  # noqa: BLE001
+        return {}
+    return {k: float(total.get(k, 0) or 0) for k in keys}

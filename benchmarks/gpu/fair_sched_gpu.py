@@ -32,7 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "fair_sched"))
 from gpu_bench_common import Setup, header, log, write  # noqa: E402
-from serving import Job, parse_variant, run_jobs  # noqa: E402
+from serving import Job, fair_totals, parse_variant, run_jobs  # noqa: E402
 from targets import STOCK, check as check_targets  # noqa: E402
 from traces import Scale, make, prompt_ids  # noqa: E402
 from workload import summarize  # noqa: E402
@@ -57,14 +57,6 @@ def flush(srv: Any) -> None:
     from kllm_plugins.testing.sglang_server import flush_cache
 
     flush_cache(srv.base_url)
-
-
-def fair_counters(srv: Any) -> dict[str, float]:
-    try:
-        total = srv.get_json("/kllm/stats").get("fair_sched", {}).get("total", {})
-    except Exception:  # noqa: BLE001 - informative only
-        return {}
-    return {**{k: float(total.get(k, 0)) for k in COUNTERS}, "decode_run_max": float(total.get("decode_run_max", 0))}
 
 
 def main() -> int:
@@ -174,7 +166,7 @@ def run_one(a: Any, res: dict[str, Any], srv: Any, p: str, trace: str, chunk: in
             rate: float, solo_fn: Any, t_start: float) -> None:
     """One policy's run of one seed of one trace; a failure is recorded with the server's state."""
     flush(srv)
-    before = fair_counters(srv) if is_fair(p) else {}
+    before = fair_totals(srv, (*COUNTERS, "decode_run_max")) if is_fair(p) else {}
     t0 = time.perf_counter()
     try:
         outs = run_jobs(srv.base_url, jobs_of(reqs, rate, f"s{seed}", a.trace_chunk, f"{p}-{seed}"))
@@ -191,7 +183,7 @@ def run_one(a: Any, res: dict[str, Any], srv: Any, p: str, trace: str, chunk: in
     row = {"trace": trace, "chunk": chunk, "policy": p, "seed": seed, "rate_req_s": rate, "requests": len(outs),
            **summarize(outs, wall, solo_fn)}
     if before:
-        after = fair_counters(srv)
+        after = fair_totals(srv, (*COUNTERS, "decode_run_max"))
         row["fair_sched_counters"] = {k: after.get(k, 0) - before.get(k, 0) for k in COUNTERS}
         row["fair_sched_counters"]["decode_run_max"] = after.get("decode_run_max", 0)  # a maximum since start
     res["runs"].append(row)

@@ -28,17 +28,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "fair_sched"))
 from gpu_bench_common import Setup, header, log, write  # noqa: E402
 from long_in_flight import (COUNTERS, SETUPS, add_workload_args, parse_variants, print_tables, run_metrics,  # noqa: E402
                             same_outputs, summarize, workload)
-from serving import Job, run_jobs  # noqa: E402
+from serving import Job, fair_totals, run_jobs  # noqa: E402
 
 GPU_COUNTERS = (*COUNTERS, "long_started", "long_finished", "chunks_cut_for_kv", "chunks_parked_for_kv")
-
-
-def counters(srv: Any) -> dict[str, float]:
-    try:
-        total = srv.get_json("/kllm/stats").get("fair_sched", {}).get("total", {})
-    except Exception:  # noqa: BLE001 - informative only
-        return {}
-    return {k: float(total.get(k, 0)) for k in GPU_COUNTERS}
 
 
 def main() -> int:
@@ -97,11 +89,11 @@ def main() -> int:
                 srv = servers[name]
                 try:
                     flush_cache(srv.base_url)
-                    before = counters(srv) if setups[name][0] else {}
+                    before = fair_totals(srv, GPU_COUNTERS) if setups[name][0] else {}
                     outs = run_jobs(srv.base_url, workload(a, seed))
                     row: dict[str, Any] = {"setup": name, "seed": seed, **run_metrics(outs)}
                     if before:
-                        after = counters(srv)
+                        after = fair_totals(srv, GPU_COUNTERS)
                         row.update({k: after.get(k, 0) - before.get(k, 0) for k in GPU_COUNTERS})
                     done[name] = outs
                 except Exception as exc:  # noqa: BLE001 - a failed setup is a result; the others still run

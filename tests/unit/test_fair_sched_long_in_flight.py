@@ -80,3 +80,18 @@ def test_workload_draws_lengths_from_the_given_ranges_and_repeats_per_seed(
     assert min(j.arrival_s for j in jobs if j.kind != "long") >= 0.5
     assert [j.input_ids for j in m.workload(a, 0)] == [j.input_ids for j in jobs]
     assert ap.parse_args([]).short_len == [1, 2]  # each benchmark's own defaults
+
+
+def test_fair_totals_reads_the_summed_counters_and_never_raises(bench_module: Callable[[str, str], ModuleType]) -> None:
+    from types import SimpleNamespace
+
+    sv = bench_module("fair_sched", "serving")
+    srv = SimpleNamespace(get_json=lambda path: {"fair_sched": {"total": {"ride_passes": 3, "limited_passes": None}}}
+                          if path == "/kllm/stats" else {})
+    assert sv.fair_totals(srv, ["ride_passes", "limited_passes", "absent"]) == \
+        {"ride_passes": 3.0, "limited_passes": 0.0, "absent": 0.0}
+
+    def down(path: str) -> dict:
+        raise ConnectionError(path)
+
+    assert sv.fair_totals(SimpleNamespace(get_json=down), ["ride_passes"]) == {}
