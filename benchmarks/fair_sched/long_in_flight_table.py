@@ -8,11 +8,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
-from kllm_plugins.plugin_docs import replace_generated, rewrite_doc
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from serving import options_label  # noqa: E402
+
+from kllm_plugins.plugin_docs import replace_generated, rewrite_doc  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results" / "fair_sched"
@@ -23,8 +28,7 @@ COLUMNS = (("short_mean", "short mean TTFT"), ("short_p90", "short P90"), ("medi
 
 def label(name: str, setup: dict[str, Any]) -> str:
     """A setup's name with the fair_sched options its variant sets (`max_partial_prefills=2`)."""
-    opts = ", ".join(f"{k.removeprefix('KLLM_FAIR_SCHED_').lower()}={v}" for k, v in sorted(setup.get("env", {}).items())
-                     if k != "KLLM_FAIR_SCHED_PUBLISH_INTERVAL_S")
+    opts = options_label(setup.get("env", {}))
     return f"{name} ({opts})" if opts and name != "fair_sched" else name
 
 
@@ -50,8 +54,7 @@ def table(d: dict[str, Any]) -> str:
     for name, row in d["metrics"].items():
         lab = label(name, d.get("setups", {}).get(name, {}))
         if not row["runs"]:
-            errs = [r.get("error", "") for r in d.get("runs", []) if r.get("setup") == name]
-            why = "server exited" if errs else "no run"
+            why = "server exited" if any(r.get("setup") == name for r in d.get("runs", [])) else "no run"
             lines.append(f"| {lab} | 0 of {row['failed']} | {why} |" + " |" * (len(COLUMNS) + 1))
             continue
         cells = [_cell(row, m, name == "fcfs") for m, _ in COLUMNS]

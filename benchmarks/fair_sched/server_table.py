@@ -11,11 +11,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
-from kllm_plugins.plugin_docs import replace_generated, rewrite_doc
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from serving import options_label, parse_variant  # noqa: E402
+
+from kllm_plugins.plugin_docs import replace_generated, rewrite_doc  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results" / "fair_sched"
@@ -71,11 +76,8 @@ def table(folder: Path = RESULTS) -> str:
 
 def variant_options(d: dict[str, Any], name: str) -> str:
     """A GPU run's variant `fair_sched/TAG` as its options, e.g. `decode_time_share=0.2`."""
-    for spec in d["settings"].get("variants", []):
-        tag, _, kvs = spec.partition(":")
-        if f"fair_sched/{tag}" == name:
-            return kvs
-    return "?"
+    env = dict(map(parse_variant, d["settings"].get("variants", []))).get(name)
+    return "?" if env is None else options_label(env)
 
 
 def gpu_table(folder: Path = RESULTS) -> str:

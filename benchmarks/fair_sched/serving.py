@@ -61,6 +61,13 @@ def parse_variant(spec: str) -> tuple[str, dict[str, str]]:
                                  for k, _, v in pairs}
 
 
+def options_label(env: dict[str, str]) -> str:
+    """A variant's fair_sched options as given (`max_partial_prefills=2, ...`): `parse_variant`'s
+    environment read back; other `KLLM_` settings keep their full name."""
+    return ", ".join(f"{k.removeprefix('KLLM_FAIR_SCHED_').lower() if k.startswith('KLLM_FAIR_SCHED_') else k}={v}"
+                     for k, v in sorted(env.items()) if k != "KLLM_FAIR_SCHED_PUBLISH_INTERVAL_S")
+
+
 @dataclass
 class Job:
     rid: str

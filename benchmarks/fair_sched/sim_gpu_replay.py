@@ -50,7 +50,7 @@ def gpu_cells(folder: Path = RESULTS) -> list[dict[str, Any]]:
     for path in sorted(folder.glob("gpu_*.json")):
         d = json.loads(path.read_text(encoding="utf-8"))
         s = d["settings"]
-        if s.get("layers", 32) != 32 or d["machine"].get("gpu", "").find("H200") < 0:
+        if s.get("layers", 32) != 32 or "H200" not in d["machine"].get("gpu", ""):
             continue  # the model's costs are fitted to the 8B shape (32 layers) on the H200
         cal = int(s.get("cal_requests") or _flag(d["command"], "--cal-requests", "24"))  # 24: the harness's default
         for key, cell in d["metrics"].items():
