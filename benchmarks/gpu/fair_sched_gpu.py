@@ -40,6 +40,7 @@ from workload import summarize  # noqa: E402
 POLICIES = ("fcfs", "lpm", "shortest-prefill-first", "hrrn", "fair_sched")
 COUNTERS = ("yields_to_short", "yields_to_decode", "limited_passes", "long_started", "long_finished", "long_chunks",
             "chunks_cut_for_kv", "chunks_parked_for_kv")
+GAUGES = ("decode_run_max", "timing_lag", "decode_step_ms")
 KEYS = ("ttft_s", "ttft_short_s", "ttft_long_s")
 
 
@@ -166,7 +167,7 @@ def run_one(a: Any, res: dict[str, Any], srv: Any, p: str, trace: str, chunk: in
             rate: float, solo_fn: Any, t_start: float) -> None:
     """One policy's run of one seed of one trace; a failure is recorded with the server's state."""
     flush(srv)
-    before = fair_totals(srv, (*COUNTERS, "decode_run_max")) if is_fair(p) else {}
+    before = fair_totals(srv, COUNTERS) if is_fair(p) else {}
     t0 = time.perf_counter()
     try:
         outs = run_jobs(srv.base_url, jobs_of(reqs, rate, f"s{seed}", a.trace_chunk, f"{p}-{seed}"))
@@ -183,9 +184,10 @@ def run_one(a: Any, res: dict[str, Any], srv: Any, p: str, trace: str, chunk: in
     row = {"trace": trace, "chunk": chunk, "policy": p, "seed": seed, "rate_req_s": rate, "requests": len(outs),
            **summarize(outs, wall, solo_fn)}
     if before:
-        after = fair_totals(srv, (*COUNTERS, "decode_run_max"))
+        after = fair_totals(srv, (*COUNTERS, *GAUGES))
         row["fair_sched_counters"] = {k: after.get(k, 0) - before.get(k, 0) for k in COUNTERS}
-        row["fair_sched_counters"]["decode_run_max"] = after.get("decode_run_max", 0)  # a maximum since start
+        # not counts: a maximum since start, the pass-timing lag in force, the decode step's estimate
+        row["fair_sched_counters"].update({k: after.get(k, 0) for k in GAUGES})
     res["runs"].append(row)
     res["metrics"] = metrics(res["runs"])
     write(a.out, res)

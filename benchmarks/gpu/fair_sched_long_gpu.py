@@ -93,8 +93,9 @@ def main() -> int:
                     outs = run_jobs(srv.base_url, workload(a, seed))
                     row: dict[str, Any] = {"setup": name, "seed": seed, **run_metrics(outs)}
                     if before:
-                        after = fair_totals(srv, GPU_COUNTERS)
+                        after = fair_totals(srv, (*GPU_COUNTERS, "timing_lag"))
                         row.update({k: after.get(k, 0) - before.get(k, 0) for k in GPU_COUNTERS})
+                        row["timing_lag"] = after.get("timing_lag", 0)  # the lag in force, not a count
                     done[name] = outs
                 except Exception as exc:  # noqa: BLE001 - a failed setup is a result; the others still run
                     row = {"setup": name, "seed": seed, "error": repr(exc)[-300:],
