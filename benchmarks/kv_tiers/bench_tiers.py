@@ -335,7 +335,7 @@ def run(args: argparse.Namespace, traces: dict[str, list[dict[str, Any]]], t_sta
                 start_all(servers)
                 # warm-up in token space 0 (no cell uses it): the first requests after a start are slower
                 # (allocations, first batches); taken from the first trace (the no-reuse control when it runs)
-                mine = [t for t in tnames if not t.endswith(" unique") or name in args.unique_setups.split(",")]
+                mine = [t for t in tnames if not t.endswith(" unique") or name in split_setups(args.unique_setups)]
                 warm = traces[mine[0]][: args.warmup]
                 replay_serial(urls, warm, assign(len(warm), len(servers), args.seed), 0)
                 print(f"== {name}: servers up in {time.perf_counter() - t0:.0f} s, repeats {reps}", file=sys.stderr)

@@ -81,6 +81,12 @@ class KvTiersConfig:
     page_first_direct host layout); other devices and layouts keep SGLang's own transfer."""
     staged_copier_chunk_pages: int = option(256, "pages per staging buffer of the copier", ge=1)
     """Pages per staging buffer of the copier (two buffers per host pool)."""
+    device_indices_on_gpu: bool = option(
+        True, "with the staged copier: leave HiCache's device page indices on the GPU (no host sync)")
+    """With the staged copier engaged, leave the device indices of HiCache's L1<->L2 transfers on
+    the GPU: SGLang's `direct` I/O backend moves them to the host first (`HiCacheController.
+    move_indices`), a copy that waits on the scheduler's thread for the forward pass in flight; the
+    copier reads them on the device."""
 
     def __post_init__(self) -> None:
         check_config(self)

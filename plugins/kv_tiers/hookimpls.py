@@ -113,6 +113,14 @@ def kllm_declare() -> PluginSpec:
                 upstream="a pluggable host<->device transfer in HiCache's host pools (or a staged kvcacheio op)",
             ),
             PatchSpec(
+                target="sglang.srt.managers.cache_controller.HiCacheController.move_indices",
+                impl=f"{COPIER}:around_move_indices",
+                kind="around",
+                why="where the staged copier takes an L1<->L2 transfer, keep its device indices on the GPU: the "
+                    "direct backend's .cpu() waits on the scheduler's thread for the forward pass in flight",
+                upstream="device-side indices for the direct I/O backend (as its kernel backend has)",
+            ),
+            PatchSpec(
                 target="sglang.srt.disaggregation.kv_events.EventPublisherFactory.register_publisher",
                 impl=f"{EVENTS}:register_publisher",
                 kind="registry",

@@ -104,3 +104,58 @@ def test_backup_is_timed_on_the_device(monkeypatch) -> None:
     assert tiers.counts["l2_backup_device_bytes"] == 2 * layers * n * ps * heads * dim * 2
     print(f"L1->L2 backup timed on the device: {gbps:.1f} GB/s ({tiers.counts['l2_backup_device_bytes']} bytes)")
     assert 1.0 < gbps < 200.0, gbps
+
+
+def test_backup_with_device_indices_kept_on_the_gpu_does_not_wait_for_the_forward(monkeypatch) -> None:
+    """HiCache's write on the scheduler's thread while a forward pass runs (a device sleep on the
+    scheduler's stream): with SGLang's direct-backend move (`device_indices.cpu()`) the call waits
+    for that pass; with around_move_indices keeping them on the GPU it returns at once, and the pages
+    still land exactly once the write stream (which waits for the scheduler's stream) is done."""
+    import time
+    from types import SimpleNamespace
+
+    from kllm_plugins.plugins.kv_tiers.config import KvTiersConfig
+    from kllm_plugins.plugins.kv_tiers.sglang_adapter import state
+
+    monkeypatch.setattr(state, "_tiers", None)
+    monkeypatch.setattr(sc, "_enabled", lambda: (True, 256))
+    layers, dev_pages, host_pages, ps, heads, dim, n = 8, 3000, 4000, 16, 8, 128, 1000
+    pool = MHATokenToKVPoolHost(layers, dev_pages, host_pages, ps, heads, dim, pinned=True)
+    ctl = SimpleNamespace(io_backend="direct", mem_pool_host=pool)
+    hp = torch.arange(n)
+    hi, di = _tokens(hp, ps), _tokens(torch.randperm(dev_pages)[:n], ps).cuda()
+
+    def sglang_move(self, host, dev):  # HiCacheController.move_indices, direct backend, page_first_direct
+        return host, dev.cpu()
+
+    sc._copiers.clear()
+    sc.backup(pool, hi, di, chunk_pages=256, sync=True)  # warm-up: kernels built (and compiled)
+    main, write = torch.cuda.current_stream(), torch.cuda.Stream()
+    cycles = 400_000_000
+    t0 = time.perf_counter()
+    torch.cuda._sleep(cycles)
+    torch.cuda.synchronize()
+    forward_s = time.perf_counter() - t0
+
+    def write_while_forward_runs(keep: bool) -> float:
+        monkeypatch.setattr(sc, "_config", lambda: KvTiersConfig(device_indices_on_gpu=keep))
+        pool.kv_buffer.zero_()
+        torch.cuda._sleep(cycles)  # the forward pass in flight
+        t0 = time.perf_counter()
+        host, dev = sc.around_move_indices(sglang_move, ctl, hi, di)
+        assert dev.is_cuda is keep
+        write.wait_stream(main)
+        with torch.cuda.stream(write):
+            assert sc.around_backup_from_device_all_layer(lambda *a, **k: "sglang", pool, None, host, dev,
+                                                          "direct") is None
+        wall = time.perf_counter() - t0
+        torch.cuda.synchronize()
+        for part, bufs in ((0, pool.device_k_buffers), (1, pool.device_v_buffers)):
+            want = torch.stack([b[di].view(n, ps, heads, dim) for b in bufs], dim=1).cpu()
+            assert torch.equal(pool.kv_buffer[part][hp], want)
+        return wall
+
+    moved, kept = write_while_forward_runs(False), write_while_forward_runs(True)
+    print(f"forward {forward_s * 1e3:.0f} ms; HiCache write call: indices moved to the host "
+          f"{moved * 1e3:.1f} ms, kept on the GPU {kept * 1e3:.1f} ms")
+    assert moved > 0.8 * forward_s and kept < 0.25 * forward_s, (forward_s, moved, kept)

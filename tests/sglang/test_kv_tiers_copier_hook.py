@@ -154,6 +154,9 @@ def test_backups_on_a_gpu_are_timed_by_events_read_at_a_later_call(monkeypatch, 
     class OnGpu:  # device indices as far as the hook reads them
         is_cuda = True
 
+        def cpu(self) -> "OnGpu":  # SGLang's own copy takes them on the host
+            return self
+
     class DevicePool:
         device = "cuda"
 
@@ -179,3 +182,89 @@ def test_backups_on_a_gpu_are_timed_by_events_read_at_a_later_call(monkeypatch, 
     assert tiers.counts["l2_backup_tokens"] == 2 * hi.numel()
     per_token = MHATokenToKVPoolHost().get_size_per_token()
     assert per_token > 0 and tiers.counts["l2_backup_device_bytes"] == hi.numel() * per_token
+
+
+def test_sglang_direct_backend_moves_device_indices_to_the_host() -> None:
+    """What around_move_indices rests on: SGLang's `direct` backend copies a transfer's device indices
+    to the host (`.cpu()`, a copy that waits for the stream's work) for the page_first_direct layout,
+    and its transfer engine orders device-side indices on its own streams (an event recorded on the
+    caller's stream before the indices are read; record_stream on CUDA indices)."""
+    from sglang.srt.managers.cache_controller import HiCacheController
+    from sglang.srt.mem_cache import l2_transfer
+
+    src = inspect.getsource(HiCacheController.move_indices)
+    assert 'layout == "page_first_direct":\n                return host_indices, device_indices.cpu()' in src
+    assert list(inspect.signature(HiCacheController.move_indices).parameters) == ["self", "host_indices",
+                                                                                  "device_indices"]
+    sub = inspect.getsource(l2_transfer.L2TransferEngine._submission)
+    assert "start_event.wait(stream)" in sub and "_record_stream(" in sub
+    assert "indices.record_stream(stream)" in inspect.getsource(l2_transfer.L2TransferEngine._record_stream)
+
+
+class _Indices:
+    """Device indices as far as the hooks read them."""
+
+    def __init__(self, is_cuda: bool) -> None:
+        self.is_cuda = is_cuda
+        self.moved = 0
+
+    def cpu(self) -> str:
+        self.moved += 1
+        return "on host"
+
+
+class _Controller:
+    def __init__(self, io_backend: str = "direct") -> None:
+        self.io_backend, self.mem_pool_host = io_backend, MHATokenToKVPoolHost()
+
+
+def test_move_indices_leaves_device_indices_on_the_gpu_where_the_copier_takes_them(monkeypatch) -> None:
+    from kllm_plugins.plugins.kv_tiers.config import KvTiersConfig
+    from kllm_plugins.plugins.kv_tiers.core.tier_state import TierState
+    from kllm_plugins.plugins.kv_tiers.sglang_adapter import state
+
+    def original(self, host, dev):
+        return host, dev.cpu()
+
+    cfg = {"c": KvTiersConfig()}
+    monkeypatch.setattr(sc, "_config", lambda: cfg["c"])
+    monkeypatch.setattr(sc, "eligible", lambda pool, io, device_type=None: io == "direct" and pool is not None)
+    tiers = TierState(KvTiersConfig(), "cpu-test")
+    monkeypatch.setattr(state, "_tiers", tiers)
+    host = _tokens([1, 2])
+    dev = _Indices(is_cuda=True)
+    assert sc.around_move_indices(original, _Controller(), host, dev) == (host, dev)
+    assert dev.moved == 0 and tiers.counts["l2_index_host_copies_skipped"] == 1
+    # SGLang's own move: another backend, host-side indices, no host pool, the option or the copier off
+    assert sc.around_move_indices(original, _Controller("kernel"), host, dev) == (host, "on host")
+    assert sc.around_move_indices(original, _Controller(), host, _Indices(is_cuda=False)) == (host, "on host")
+    ctl = _Controller()
+    ctl.mem_pool_host = None
+    assert sc.around_move_indices(original, ctl, host, dev) == (host, "on host")
+    for off in ({"device_indices_on_gpu": False}, {"staged_copier": False}):
+        cfg["c"] = KvTiersConfig(**off)
+        assert sc.around_move_indices(original, _Controller(), host, dev) == (host, "on host")
+    cfg["c"] = None  # plugin not enabled in this process
+    assert sc.around_move_indices(original, _Controller(), host, dev) == (host, "on host")
+    assert dev.moved == 5 and tiers.counts["l2_index_host_copies_skipped"] == 1
+
+
+def test_sglang_copy_after_a_skipped_move_gets_host_indices(monkeypatch) -> None:
+    """Where the indices stayed on the GPU but the copier then steps aside (a draft call, extra
+    arguments), SGLang's direct copy gets them on the host as it would have; other backends as given."""
+    monkeypatch.setattr(sc, "_enabled", lambda: (True, 8))
+    monkeypatch.setattr(sc, "eligible", lambda pool, io, device_type=None: io == "direct")
+    seen = []
+
+    def original(self, device_pool, host, dev, *rest, **kw):
+        seen.append(dev)
+        return "sglang"
+
+    pool, host = MHATokenToKVPoolHost(), _tokens([1])
+    assert sc.around_load_to_device_per_layer(original, pool, None, host, _Indices(True), 0, "direct",
+                                              is_draft=True) == "sglang"
+    assert sc.around_backup_from_device_all_layer(original, pool, None, host, _Indices(True), "direct",
+                                                  "extra") == "sglang"
+    kernel_idx = _Indices(True)
+    assert sc.around_backup_from_device_all_layer(original, pool, None, host, kernel_idx, "kernel") == "sglang"
+    assert seen == ["on host", "on host", kernel_idx]

@@ -33,13 +33,15 @@ _backup_timings = PendingTimings()  # L1->L2 backups in flight on a GPU, timed b
 _announced: set[int] = set()
 
 
-def _enabled() -> tuple[bool, int]:
+def _config() -> Any:
     from kllm_plugins import runtime
 
-    if runtime.is_enabled("kv_tiers"):
-        cfg = runtime.config_of("kv_tiers")
-        return bool(cfg.staged_copier), int(cfg.staged_copier_chunk_pages)
-    return False, 0
+    return runtime.config_of("kv_tiers") if runtime.is_enabled("kv_tiers") else None
+
+
+def _enabled() -> tuple[bool, int]:
+    cfg = _config()
+    return (bool(cfg.staged_copier), int(cfg.staged_copier_chunk_pages)) if cfg is not None else (False, 0)
 
 
 def eligible(pool: Any, io_backend: str, device_type: str | None = None) -> bool:
@@ -103,7 +105,9 @@ def around_backup_from_device_all_layer(original: Callable[..., Any], self: Any,
     start = _cuda_event() if t is not None and (device_indices.is_cuda or _on_cuda(device_pool)) else None
     t0 = time.perf_counter()
     if not on or args or kwargs or not eligible(self, io_backend):
-        result = original(self, device_pool, host_indices, device_indices, io_backend, *args, **kwargs)
+        # SGLang's own copy takes the direct backend's indices on the host (see around_move_indices)
+        result = original(self, device_pool, host_indices, _on_host(device_indices, io_backend), io_backend,
+                          *args, **kwargs)
     else:
         result = backup(self, host_indices, device_indices, chunk)
     if t is not None:
@@ -153,8 +157,35 @@ def around_load_to_device_per_layer(original: Callable[..., Any], self: Any, dev
                                     io_backend: str, *args: Any, is_draft: bool = False, **kwargs: Any) -> Any:
     on, chunk = _enabled()
     if not on or args or kwargs or is_draft or not eligible(self, io_backend):
-        return original(self, device_pool, host_indices, device_indices, layer_id, io_backend, *args,
-                        is_draft=is_draft, **kwargs)
+        return original(self, device_pool, host_indices, _on_host(device_indices, io_backend), layer_id,
+                        io_backend, *args, is_draft=is_draft, **kwargs)
     if layer_id == 0:
         load(self, host_indices, device_indices, chunk)
     return None
+
+
+def around_move_indices(original: Callable[..., Any], self: Any, host_indices: torch.Tensor,
+                        device_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`HiCacheController.move_indices` with the `direct` I/O backend copies the device indices of a
+    transfer to the host (`.cpu()`), on the scheduler's thread: a copy ordered after the forward pass
+    in flight, so the scheduler waits for that pass before it can plan the next one, at every L2
+    write and load. Where the staged copier takes the transfer (it reads page ids on the device)
+    they stay on the GPU; SGLang's transfer engine already orders device-side indices on its
+    streams (as for its `kernel` backend). Anything else goes to SGLang's own code."""
+    cfg = _config()
+    if (cfg is None or not cfg.staged_copier or not cfg.device_indices_on_gpu or not device_indices.is_cuda
+            or getattr(self, "io_backend", None) != "direct"
+            or not eligible(getattr(self, "mem_pool_host", None), "direct")):
+        return original(self, host_indices, device_indices)
+    from kllm_plugins.plugins.kv_tiers.sglang_adapter import state
+
+    t = state.current()
+    if t is not None:
+        t.count("l2_index_host_copies_skipped", 1)
+    return host_indices, device_indices
+
+
+def _on_host(device_indices: torch.Tensor, io_backend: str) -> torch.Tensor:
+    """The direct backend's own copies take the device indices on the host (where
+    around_move_indices left them on the GPU and the copier then stepped aside)."""
+    return device_indices.cpu() if io_backend == "direct" and device_indices.is_cuda else device_indices
