@@ -196,6 +196,14 @@ def test_sglang_direct_backend_moves_device_indices_to_the_host() -> None:
     assert 'layout == "page_first_direct":\n                return host_indices, device_indices.cpu()' in src
     assert list(inspect.signature(HiCacheController.move_indices).parameters) == ["self", "host_indices",
                                                                                   "device_indices"]
+    # the UnifiedRadixCache's controller moves each host pool of its group through move_indices
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+    from sglang.srt.mem_cache.pool_host.group import HostPoolGroup, PoolEntry
+
+    assert "return self.move_indices(host_indices, device_indices)" in inspect.getsource(
+        HybridCacheController._move_pool_indices)
+    assert "self.entry_map = {entry.name: entry" in inspect.getsource(HostPoolGroup.__init__)
+    assert "host_pool" in PoolEntry.__dataclass_fields__
     sub = inspect.getsource(l2_transfer.L2TransferEngine._submission)
     assert "start_event.wait(stream)" in sub and "_record_stream(" in sub
     assert "indices.record_stream(stream)" in inspect.getsource(l2_transfer.L2TransferEngine._record_stream)
@@ -213,9 +221,19 @@ class _Indices:
         return "on host"
 
 
+class _Entry:
+    def __init__(self, host_pool) -> None:
+        self.host_pool = host_pool
+
+
+class _Group:  # SGLang's HostPoolGroup as far as the hook reads it (what HybridCacheController holds)
+    def __init__(self, *pools) -> None:
+        self.entry_map = {f"pool{i}": _Entry(p) for i, p in enumerate(pools)}
+
+
 class _Controller:
-    def __init__(self, io_backend: str = "direct") -> None:
-        self.io_backend, self.mem_pool_host = io_backend, MHATokenToKVPoolHost()
+    def __init__(self, io_backend: str = "direct", host=None) -> None:
+        self.io_backend, self.mem_pool_host = io_backend, MHATokenToKVPoolHost() if host is None else host
 
 
 def test_move_indices_leaves_device_indices_on_the_gpu_where_the_copier_takes_them(monkeypatch) -> None:
@@ -235,6 +253,13 @@ def test_move_indices_leaves_device_indices_on_the_gpu_where_the_copier_takes_th
     dev = _Indices(is_cuda=True)
     assert sc.around_move_indices(original, _Controller(), host, dev) == (host, dev)
     assert dev.moved == 0 and tiers.counts["l2_index_host_copies_skipped"] == 1
+    # the UnifiedRadixCache's controller holds a group of host pools: every one must take the copier
+    assert sc.around_move_indices(original, _Controller(host=_Group(MHATokenToKVPoolHost())), host, dev) == (host, dev)
+    assert tiers.counts["l2_index_host_copies_skipped"] == 2
+    assert sc.around_move_indices(original, _Controller(host=_Group(MHATokenToKVPoolHost(), None)), host,
+                                  dev) == (host, "on host")
+    assert sc.around_move_indices(original, _Controller(host=_Group()), host, dev) == (host, "on host")
+    dev.moved = 0
     # SGLang's own move: another backend, host-side indices, no host pool, the option or the copier off
     assert sc.around_move_indices(original, _Controller("kernel"), host, dev) == (host, "on host")
     assert sc.around_move_indices(original, _Controller(), host, _Indices(is_cuda=False)) == (host, "on host")
@@ -246,7 +271,7 @@ def test_move_indices_leaves_device_indices_on_the_gpu_where_the_copier_takes_th
         assert sc.around_move_indices(original, _Controller(), host, dev) == (host, "on host")
     cfg["c"] = None  # plugin not enabled in this process
     assert sc.around_move_indices(original, _Controller(), host, dev) == (host, "on host")
-    assert dev.moved == 5 and tiers.counts["l2_index_host_copies_skipped"] == 1
+    assert dev.moved == 5 and tiers.counts["l2_index_host_copies_skipped"] == 2
 
 
 def test_sglang_copy_after_a_skipped_move_gets_host_indices(monkeypatch) -> None:

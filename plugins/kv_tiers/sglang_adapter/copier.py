@@ -173,9 +173,10 @@ def around_move_indices(original: Callable[..., Any], self: Any, host_indices: t
     they stay on the GPU; SGLang's transfer engine already orders device-side indices on its
     streams (as for its `kernel` backend). Anything else goes to SGLang's own code."""
     cfg = _config()
+    pools = _host_pools(getattr(self, "mem_pool_host", None))
     if (cfg is None or not cfg.staged_copier or not cfg.device_indices_on_gpu or not device_indices.is_cuda
-            or getattr(self, "io_backend", None) != "direct"
-            or not eligible(getattr(self, "mem_pool_host", None), "direct")):
+            or getattr(self, "io_backend", None) != "direct" or not pools
+            or not all(eligible(p, "direct") for p in pools)):
         return original(self, host_indices, device_indices)
     from kllm_plugins.plugins.kv_tiers.sglang_adapter import state
 
@@ -183,6 +184,15 @@ def around_move_indices(original: Callable[..., Any], self: Any, host_indices: t
     if t is not None:
         t.count("l2_index_host_copies_skipped", 1)
     return host_indices, device_indices
+
+
+def _host_pools(host: Any) -> list[Any]:
+    """The host pools a controller moves indices for: those of a `HostPoolGroup` (what the
+    UnifiedRadixCache's HybridCacheController holds, one entry per pool), else the pool itself."""
+    entries = getattr(host, "entry_map", None)
+    if isinstance(entries, dict):
+        return [getattr(e, "host_pool", None) for e in entries.values()]
+    return [] if host is None else [host]
 
 
 def _on_host(device_indices: torch.Tensor, io_backend: str) -> torch.Tensor:
