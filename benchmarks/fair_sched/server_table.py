@@ -80,11 +80,20 @@ def variant_options(d: dict[str, Any], name: str) -> str:
     return "?" if env is None else options_label(env)
 
 
+def pass_timing(d: dict[str, Any], trace: str, chunk: str, policy: str) -> str:
+    """How the policy's runs timed their passes: `lag N` as recorded (`timing_lag`, GPU drivers since
+    the overlap-timing fix b5a7031), else `before fix` (each pass timed as the one before it)."""
+    lags = {r["fair_sched_counters"]["timing_lag"] for r in d["runs"]
+            if r.get("trace", "bursty") == trace and str(r["chunk"]) == chunk and r["policy"] == policy
+            and "timing_lag" in r.get("fair_sched_counters", {})}
+    return " / ".join(f"lag {int(v)}" for v in sorted(lags)) or "before fix"
+
+
 def gpu_table(folder: Path = RESULTS) -> str:
     """One row per trace and chunk of the GPU runs; stock servers that died are named."""
-    head = ["| trace | chunk | load | requests | seeds | GPU | best stock (mean) | "
+    head = ["| trace | chunk | load | requests | seeds | GPU | pass timing | best stock (mean) | "
             + " | ".join(h for _, h in COLUMNS) + " | TPOT vs fcfs: SPF / hrrn | stock servers that exited |",
-            "|" + "---|" * (len(COLUMNS) + 9)]
+            "|" + "---|" * (len(COLUMNS) + 10)]
     body: list[tuple[str, int, str]] = []
     for path in sorted(folder.glob("gpu_*.json")):
         d = json.loads(path.read_text(encoding="utf-8"))
@@ -103,7 +112,7 @@ def gpu_table(folder: Path = RESULTS) -> str:
                          for k, _ in COLUMNS]
                 label = trace if ours == "fair_sched" else f"{trace}, {ours} ({variant_options(d, ours)})"
                 body.append((trace, int(chunk), f"| {label} | {chunk} | {s['load']} | {s['requests']} | "
-                             f"{cell[ours]['seeds']} | {gpu} | "
+                             f"{cell[ours]['seeds']} | {gpu} | {pass_timing(d, trace, chunk, ours)} | "
                              f"{t['mean <= best stock']['against']} | " + " | ".join(marks)
                              + f" | {stock_tpot} | {', '.join(died) or '-'} |"))
     return "\n".join(head + [row for _, _, row in sorted(body)]) + "\n"
