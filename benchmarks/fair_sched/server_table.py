@@ -83,7 +83,7 @@ def variant_options(d: dict[str, Any], name: str) -> str:
 def pass_timing(d: dict[str, Any], trace: str, chunk: str, policy: str) -> str:
     """How the policy's runs timed their passes: `lag N` as recorded (`timing_lag`, GPU drivers since
     the overlap-timing fix b5a7031), else `before fix` (each pass timed as the one before it)."""
-    lags = {r["fair_sched_counters"]["timing_lag"] for r in d["runs"]
+    lags = {r["fair_sched_counters"]["timing_lag"] for r in d.get("runs", [])
             if r.get("trace", "bursty") == trace and str(r["chunk"]) == chunk and r["policy"] == policy
             and "timing_lag" in r.get("fair_sched_counters", {})}
     return " / ".join(f"lag {int(v)}" for v in sorted(lags)) or "before fix"

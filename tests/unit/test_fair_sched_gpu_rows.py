@@ -48,7 +48,7 @@ def test_gpu_table_rows_are_sorted_and_name_stock_servers_that_exited(
     lines = st.gpu_table(tmp_path).splitlines()
     assert [ln.split(" | ")[0:2] for ln in lines[2:]] == [["| a", "2048"], ["| b", "8192"]]
     a, b = (ln.split(" | ") for ln in lines[2:])
-    assert a[5] == "H200" and a[6] == "hrrn" and a[7] == "1.50 *" and a[-1] == "- |"
+    assert a[5] == "H200" and a[6] == "before fix" and a[7] == "hrrn" and a[8] == "1.50 *" and a[-1] == "- |"
     assert b[-1] == "shortest-prefill-first |"
 
 
@@ -63,13 +63,15 @@ def test_a_variant_is_checked_against_the_same_targets_and_gets_its_own_row(
     assert vt["mean <= best stock"]["value"] == pytest.approx(0.9) and vt["mean <= best stock"]["met"]
     assert vt["tpot <= 1.3x fcfs"]["value"] == pytest.approx(1.1) and vt["tpot <= 1.3x fcfs"]["met"]
     assert not m["a@2048"]["targets"]["tpot <= 1.3x fcfs"]["met"]  # the defaults' own check is unchanged
+    runs[-1]["fair_sched_counters"] = {"timing_lag": 1.0}  # recorded by the drivers since the timing fix
     doc = {"settings": {"load": 0.8, "requests": 30, "layers": 16, "variants": ["ts:decode_time_share=0.2"]},
-           "machine": {"gpu": "NVIDIA H200"}, "metrics": m}
+           "machine": {"gpu": "NVIDIA H200"}, "metrics": m, "runs": runs}
     (tmp_path / "gpu_v.json").write_text(json.dumps(doc))
     rows = [ln.split(" | ") for ln in st.gpu_table(tmp_path).splitlines()[2:]]
     assert [r[0] for r in rows] == ["| a", "| a, fair_sched/ts (decode_time_share=0.2)"]
     assert rows[0][5] == rows[1][5] == "H200, 16 layers"
-    assert rows[0][11] == "2.00 *" and rows[1][11] == "1.10"  # TPOT vs fcfs: defaults missed, variant met
+    assert (rows[0][6], rows[1][6]) == ("before fix", "lag 1")  # pass timing as each policy's runs recorded it
+    assert rows[0][12] == "2.00 *" and rows[1][12] == "1.10"  # TPOT vs fcfs: defaults missed, variant met
 
 
 def test_outputs_column_gives_fair_scheds_share_and_names_stock_policies_that_differ(
