@@ -293,3 +293,37 @@ def test_sglang_copy_after_a_skipped_move_gets_host_indices(monkeypatch) -> None
     kernel_idx = _Indices(True)
     assert sc.around_backup_from_device_all_layer(original, pool, None, host, kernel_idx, "kernel") == "sglang"
     assert seen == ["on host", "on host", kernel_idx]
+
+
+def test_move_indices_reads_sglangs_own_host_pool_group(monkeypatch) -> None:
+    """The group the UnifiedRadixCache's controller holds, built by SGLang's own HostPoolGroup: the
+    hook finds the MHA host pool in it (the first in-server run missed it by reading the group as a
+    pool), and a group with a pool the copier does not take keeps SGLang's move."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+    from sglang.srt.mem_cache.pool_host.group import HostPoolGroup, PoolEntry
+
+    from kllm_plugins.plugins.kv_tiers.config import KvTiersConfig
+    from kllm_plugins.plugins.kv_tiers.sglang_adapter import state
+
+    def pool(eligible: bool) -> MHATokenToKVPoolHost:
+        p = MHATokenToKVPoolHost()
+        p.device, p.size, p.logical_size, p.can_use_write_back_jit = "cpu", 96, 96, False
+        p.eligible = eligible
+        return p
+
+    def group(*pools: MHATokenToKVPoolHost) -> HostPoolGroup:
+        kinds = list(PoolName)
+        return HostPoolGroup([PoolEntry(name=kinds[i], host_pool=p, device_pool=None, layer_mapper=lambda k: k)
+                              for i, p in enumerate(pools)])
+
+    monkeypatch.setattr(sc, "_config", lambda: KvTiersConfig())
+    monkeypatch.setattr(sc, "eligible", lambda p, io, device_type=None: io == "direct" and getattr(p, "eligible", False))
+    monkeypatch.setattr(state, "_tiers", None)
+
+    def original(self, host, dev):
+        return host, dev.cpu()
+
+    host, dev = _tokens([3]), _Indices(is_cuda=True)
+    assert sc.around_move_indices(original, _Controller(host=group(pool(True))), host, dev) == (host, dev)
+    assert sc.around_move_indices(original, _Controller(host=group(pool(True), pool(False))), host,
+                                  dev) == (host, "on host")
