@@ -36,7 +36,8 @@ from workload import MIXES, Mix, make_trace, summarize  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 COUNTERS = ("yields_to_short", "yields_to_decode", "limited_passes", "ride_passes", "long_overtakes", "shorts_beside_long", "long_started",
-            "long_finished", "long_chunks", "recomputed_tokens", "second_truncation_refused")
+            "long_finished", "long_chunks", "recomputed_tokens", "second_truncation_refused", "waiting_prefill_s",
+            "waiting_decode_s")
 
 
 def rand_ids(rng: random.Random, n: int) -> list[int]:

@@ -39,7 +39,7 @@ from workload import summarize  # noqa: E402
 
 POLICIES = ("fcfs", "lpm", "shortest-prefill-first", "hrrn", "fair_sched")
 COUNTERS = ("yields_to_short", "yields_to_decode", "limited_passes", "long_started", "long_finished", "long_chunks",
-            "chunks_cut_for_kv", "chunks_parked_for_kv")
+            "chunks_cut_for_kv", "chunks_parked_for_kv", "waiting_prefill_s", "waiting_decode_s")
 GAUGES = ("decode_run_max", "timing_lag", "decode_step_ms")
 KEYS = ("ttft_s", "ttft_short_s", "ttft_long_s")
 

@@ -123,6 +123,9 @@ class _State:
         snap["timing_lag"] = self.policy.timing_lag
         cost = self.policy.decode_cost_s
         snap["decode_step_ms"] = None if cost is None else round(1e3 * cost, 3)
+        # passes' time while prompts waited (counters: a run's share is the difference of two reads)
+        snap["waiting_prefill_s"] = round(self.policy.waiting_s["prefill"], 6)
+        snap["waiting_decode_s"] = round(self.policy.waiting_s["decode"], 6)
         return snap
 
     def publish(self, changed: bool) -> None:

@@ -292,5 +292,7 @@ def test_decode_time_share_decodes_several_steps_in_a_row_while_a_long_prompt_pr
         assert snap["decode_run_max"] >= 2, snap
         # a CPU pass ends inside its launch: the time between plans is the pass just planned
         assert snap["timing_lag"] == 0 and snap["decode_step_ms"] > 0, snap
+        # the time of both kinds of pass while prompts waited is reported
+        assert snap["waiting_prefill_s"] > 0 and snap["waiting_decode_s"] > 0, snap
         assert snap["yields_to_decode"] >= 2 and snap["recomputed_tokens"] == 0
         assert not fair.grep_log(r"Scheduler hit an exception|Traceback")

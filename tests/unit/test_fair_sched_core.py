@@ -177,10 +177,13 @@ def test_decode_time_share_takes_decode_steps_in_a_row_when_behind() -> None:
     assert "".join(steps) == "pdddpdddpddd"
     # the last decode step is counted at the next plan
     assert pol.busy_s["decode"] == pytest.approx(0.8) and pol.busy_s["prefill"] == pytest.approx(0.9)
+    assert pol.waiting_s == pol.busy_s  # the reported time while prompts waited: the same so far
     # nothing waits: the account restarts, and no decode step is forced
     steps.clear()
     run(2, 0.3, 0.1, [])
     assert "".join(steps) == "pp" and pol.busy_s == {"prefill": 0.0, "decode": 0.0}
+    # the reported time is cumulative and takes only passes measured while prompts wait
+    assert pol.waiting_s["decode"] == pytest.approx(0.8) and pol.waiting_s["prefill"] == pytest.approx(0.9)
     # decode steps that take no time never catch up: at most TIME_SHARE_MAX_RUN of them in a row
     steps.clear()
     run(40, 0.0, 0.0, waiting)
@@ -190,6 +193,8 @@ def test_decode_time_share_takes_decode_steps_in_a_row_when_behind() -> None:
     for t in range(5):
         assert off.plan(waiting, decode_running=True, now=0.3 * t, running_reqs=4).action != "yield"
         off.note_prefill()
+    # the time while prompts wait is reported with the option off too (four passes measured)
+    assert off.waiting_s["prefill"] == pytest.approx(1.2) and off.waiting_s["decode"] == 0.0
 
 
 def _overlapped(pol: FairPolicy, n: int, prefill_s: float, decode_s: float) -> str:

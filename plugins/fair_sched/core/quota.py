@@ -322,6 +322,9 @@ class FairPolicy:
         """Partially prefilled requests set aside for an earlier-key one (`max_partial` > 1)."""
         self.busy_s = {"prefill": 0.0, "decode": 0.0}
         """Time spent prefilling and decoding since prompts began waiting (`decode_time_share`)."""
+        self.waiting_s = {"prefill": 0.0, "decode": 0.0}
+        """Time spent prefilling and decoding while prompts waited, since the start (reported: the
+        decode share a `decode_time_share` would compete with)."""
         self._last_plan_s: float | None = None
         self._pass_kind: str | None = None
         """Kind of the pass planned at the last plan call ("prefill", "decode"; set by note_*)."""
@@ -368,10 +371,10 @@ class FairPolicy:
         self._pass_kind = "prefill"
         self.decode_run = 0
 
-    def _clock(self, now: float | None) -> None:
+    def _clock(self, now: float | None, prompts_wait: bool) -> None:
         """The time since the last plan call measured one pass (`timing_lag` says which): a decode
-        step's feeds the decode-cost estimate, and with `decode_time_share` either kind's goes to
-        its account."""
+        step's feeds the decode-cost estimate, either kind's goes to `waiting_s` while prompts wait,
+        and with `decode_time_share` to its account."""
         if now is None:
             return
         kind = self._prev_kind if self.timing_lag else self._pass_kind
@@ -380,6 +383,8 @@ class FairPolicy:
             if kind == "decode":
                 self.decode_cost_s = took if self.decode_cost_s is None else 0.8 * self.decode_cost_s + 0.2 * took
                 self.last_decode_end_s = now
+            if prompts_wait:
+                self.waiting_s[kind] += took
             if self.params.decode_time_share > 0:
                 self.busy_s[kind] += took
         self._last_plan_s = now
@@ -429,8 +434,8 @@ class FairPolicy:
         may be suspended for a larger earlier-key one (the engine's KV allows holding both)."""
         p = self.params
         a = self.active
-        self._clock(now)
         prompts_wait = bool(waiting) or a is not None or bool(self.suspended)
+        self._clock(now, prompts_wait)
         if p.decode_time_share > 0 and not prompts_wait:  # the account restarts when no prompt waits
             self.busy_s["prefill"] = self.busy_s["decode"] = 0.0
         if decode_running and (self._decode_due(now, running_reqs) or (prompts_wait and self._time_share_due())):
