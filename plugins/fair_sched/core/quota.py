@@ -320,11 +320,11 @@ class FairPolicy:
         """Keys of the requests seen by the last `order` call (for `start_long`)."""
         self.suspended: list[LongState] = []
         """Partially prefilled requests set aside for an earlier-key one (`max_partial` > 1)."""
-        self.busy_s = {"prefill": 0.0, "decode": 0.0}
-        """Time spent prefilling and decoding since prompts began waiting (`decode_time_share`)."""
         self.waiting_s = {"prefill": 0.0, "decode": 0.0}
         """Time spent prefilling and decoding while prompts waited, since the start (reported: the
         decode share a `decode_time_share` would compete with)."""
+        self._share_base = (0.0, 0.0)
+        """`waiting_s` (prefill, decode) when the `decode_time_share` account last restarted."""
         self._last_plan_s: float | None = None
         self._pass_kind: str | None = None
         """Kind of the pass planned at the last plan call ("prefill", "decode"; set by note_*)."""
@@ -373,8 +373,8 @@ class FairPolicy:
 
     def _clock(self, now: float | None, prompts_wait: bool) -> None:
         """The time since the last plan call measured one pass (`timing_lag` says which): a decode
-        step's feeds the decode-cost estimate, either kind's goes to `waiting_s` while prompts wait,
-        and with `decode_time_share` to its account."""
+        step's feeds the decode-cost estimate, and either kind's goes to `waiting_s` while prompts
+        wait (`decode_time_share`'s account is the part since its last restart)."""
         if now is None:
             return
         kind = self._prev_kind if self.timing_lag else self._pass_kind
@@ -385,15 +385,21 @@ class FairPolicy:
                 self.last_decode_end_s = now
             if prompts_wait:
                 self.waiting_s[kind] += took
-            if self.params.decode_time_share > 0:
-                self.busy_s[kind] += took
         self._last_plan_s = now
         self._prev_kind, self._pass_kind = self._pass_kind, None
 
+    @property
+    def busy_s(self) -> dict[str, float]:
+        """Time spent prefilling and decoding since prompts began waiting (`decode_time_share`)."""
+        return {"prefill": self.waiting_s["prefill"] - self._share_base[0],
+                "decode": self.waiting_s["decode"] - self._share_base[1]}
+
     def _time_share_due(self) -> bool:
         share = self.params.decode_time_share
-        return share > 0 and self.decode_run < TIME_SHARE_MAX_RUN and \
-            self.busy_s["decode"] < share * (self.busy_s["prefill"] + self.busy_s["decode"])
+        if share <= 0 or self.decode_run >= TIME_SHARE_MAX_RUN:
+            return False
+        decode = self.waiting_s["decode"] - self._share_base[1]
+        return decode < share * (self.waiting_s["prefill"] - self._share_base[0] + decode)
 
     def _decode_due(self, now: float | None, running_reqs: int | None) -> bool:
         p = self.params
@@ -437,7 +443,7 @@ class FairPolicy:
         prompts_wait = bool(waiting) or a is not None or bool(self.suspended)
         self._clock(now, prompts_wait)
         if p.decode_time_share > 0 and not prompts_wait:  # the account restarts when no prompt waits
-            self.busy_s["prefill"] = self.busy_s["decode"] = 0.0
+            self._share_base = (self.waiting_s["prefill"], self.waiting_s["decode"])
         if decode_running and (self._decode_due(now, running_reqs) or (prompts_wait and self._time_share_due())):
             # Decode steps do not wait for the prefills (SGLang decodes only in passes without
             # one): one after every `decode_every_chunks` prefill passes, whoever they served.
