@@ -172,10 +172,11 @@ def around_move_indices(original: Callable[..., Any], self: Any, host_indices: t
     write and load. Where the staged copier takes the transfer (it reads page ids on the device)
     they stay on the GPU; SGLang's transfer engine already orders device-side indices on its
     streams (as for its `kernel` backend). Anything else goes to SGLang's own code."""
+    if not device_indices.is_cuda or getattr(self, "io_backend", None) != "direct":
+        return original(self, host_indices, device_indices)
     cfg = _config()
     pools = _host_pools(getattr(self, "mem_pool_host", None))
-    if (cfg is None or not cfg.staged_copier or not cfg.device_indices_on_gpu or not device_indices.is_cuda
-            or getattr(self, "io_backend", None) != "direct" or not pools
+    if (cfg is None or not cfg.staged_copier or not cfg.device_indices_on_gpu or not pools
             or not all(eligible(p, "direct") for p in pools)):
         return original(self, host_indices, device_indices)
     from kllm_plugins.plugins.kv_tiers.sglang_adapter import state
