@@ -3,7 +3,8 @@
 # (device_setup.sh), then each named suite, writing a small JSON summary per suite (and its log)
 # under $OUT (the device tool brings $OUT back; elsewhere it defaults to /tmp/kllm/out):
 #   smoke  the platform resolves, `kllm-plugins doctor` finds every target (SGLANG_PLATFORM=kllm_cuda)
-#   e2e    tests/gpu/test_sglang_cuda_platform_gpu.py (one server per plugin, all on the GPU at once)
+#   e2e    tests/gpu/test_sglang_cuda_platform_gpu.py (one server per plugin, all on the GPU at once;
+#          KLLM_GPU_E2E_CASES=a,b starts only those cases)
 #   gpu    the other GPU tests of tests/gpu (kernels and copiers of our own, outside SGLang); only those
 #          matching $GPU_K (pytest -k) when set
 #   speed  benchmarks/gpu/serving_speed.py (SGLang on kllm_cuda vs transformers, same GPU)

@@ -14,6 +14,7 @@ import asyncio
 import importlib.util
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -58,6 +59,15 @@ CASES: dict[str, tuple[list[str], list[str], dict[str, str]]] = {
     "dspark": (["dspark"], NATIVE_FP32, {}),
     "ring_cp": (["ring_cp"], NATIVE_FP32, {}),
 }
+#: KLLM_GPU_E2E_CASES=kv_tiers,kv_tiers_copier starts only those servers (the tests of the others skip)
+_ONLY = [c for c in os.environ.get("KLLM_GPU_E2E_CASES", "").split(",") if c]
+
+
+class _Started(dict):
+    """The servers started; a test of one left out by KLLM_GPU_E2E_CASES skips."""
+
+    def __missing__(self, case: str) -> SGLangServer:
+        pytest.skip(f"server {case!r} not started (KLLM_GPU_E2E_CASES={','.join(_ONLY)})")
 
 
 def hf_greedy_gpu(model_path: Path, prompts: list[list[int]], n: int, dtype: str) -> list[list[int]]:
@@ -89,8 +99,10 @@ def reference(tiny_model_path: Path) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def servers(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, SGLangServer]]:
-    out: dict[str, SGLangServer] = {}
+    out: dict[str, SGLangServer] = _Started()
     for case, (plugins, args, env) in CASES.items():
+        if _ONLY and case not in _ONLY:
+            continue
         env = {**PLATFORM_ENV, **env}
         if case in ("dspark", "ring_cp"):
             env["KLLM_STRICT"] = "0"
@@ -213,6 +225,8 @@ def test_kv_tiers_serves_a_prefix_from_l2_and_l3_on_the_gpu(servers: dict[str, S
     assert snap.get("l2_backup_tokens", 0) >= 18 * 16 or case == "kv_tiers", snap
     copier_line = srv.grep_log(r"kv_tiers: staged L1<->L2 copier on HiCache's host pool")
     assert bool(copier_line) == (case == "kv_tiers_copier"), copier_line
+    # the move_indices hook kept the device indices on the GPU for the copier's transfers
+    assert (snap.get("l2_index_host_copies_skipped", 0) > 0) == (case == "kv_tiers_copier"), snap
 
 
 def test_router_in_front_of_two_gpu_instances(servers: dict[str, SGLangServer], reference: list[list[int]]) -> None:
