@@ -347,6 +347,23 @@ def test_payload_checksum_is_crc32c_also_continued_across_parts(size: int) -> No
         assert crc32c(data) == reference(data)
     assert crc_of([data[: size // 3], memoryview(data[size // 3 :])]) == (size, crc32c(data))
 
+
+def test_large_parts_are_checksummed_with_the_gil_released(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 2 MiB page part (an 8B model's page) releases the GIL while its CRC runs, so the scheduler's
+    thread is not held by a storage thread's checksum; small parts keep it; the value is the same."""
+    import crc32c as lib
+
+    from kllm_plugins.plugins.kv_tiers.core import page_format
+
+    modes: list[int] = []
+    real = lib.crc32c
+    monkeypatch.setattr(page_format._crc32c, "crc32c", lambda d, c, m: modes.append(m) or real(d, c, m))
+    big, small = os.urandom(2 << 20), os.urandom(32 << 10)
+    got = page_format.crc_of([memoryview(big), small, big[:page_format.GIL_RELEASE_BYTES]])
+    assert modes == [1, 0, 1]
+    monkeypatch.setattr(page_format._crc32c, "crc32c", real)
+    assert got == page_format.crc_of([big + small + big[:page_format.GIL_RELEASE_BYTES]])
+
 class _SlowStore(FilePageStore):
     """A store whose served reads cost 5 ms more (as the benchmarks' slow medium adds its delay)."""
 
