@@ -130,3 +130,22 @@ def test_a_failed_write_reports_the_pages_written_before_it() -> None:
     out = _offer(t, store, ["a", "b", "c"])
     assert (out.admitted, out.written, out.complete) == (3, 1, False)
     assert t.counts["pages_admitted"] == 1 and meter.pages_by == {"written": 1}
+
+
+def test_a_call_larger_than_the_hold_copies_only_the_pages_the_buffer_keeps() -> None:
+    """A long prompt offers far more pages than the bounded buffer keeps: only its last pages are
+    copied (one more to find the bound), and the buffer ends as if each had been held in turn."""
+    page = len(b"page:k00")
+    t, _ = _state(**DORMANT, dormant_hold_mb=3 * page / 2**20)
+    store = _Store()
+    first = [f"j{i:02d}" for i in range(2)]
+    _offer(t, store, first)
+    keys = [f"k{i:02d}" for i in range(40)]
+    batch = store.batch(keys)
+    out = write_pages(t, store, keys, batch)
+    assert out.skipped == 40 and batch.copies == 4
+    assert [k for k, _ in t.held.take_all()] == ["k37", "k38", "k39"]
+    t2, _ = _state(**DORMANT, dormant_hold_mb=3 * page / 2**20)
+    _offer(t2, store, first)
+    _offer(t2, store, ["k00"])  # a short call: kept beside the older pages while they fit
+    assert [k for k, _ in t2.held.take_all()] == ["j00", "j01", "k00"]

@@ -22,7 +22,7 @@ class HeldPages:
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         self.max_bytes = max_bytes
-        self._pages: OrderedDict[str, bytes] = OrderedDict()
+        self._pages: OrderedDict[str, bytes | memoryview] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
         self.held = 0
@@ -37,29 +37,34 @@ class HeldPages:
         with self._lock:
             return self._bytes
 
-    def hold(self, key: str, data: bytes | memoryview) -> bool:
-        """Keep a copy of a skipped page; False when it cannot fit at all (larger than the bound)."""
-        n = len(data)
+    def hold(self, key: str, data: bytes | memoryview, owned: bool = False) -> bool:
+        """Keep a copy of a skipped page (`owned`: `data` is already a copy no one else writes, kept
+        as is); False when it cannot fit at all (larger than the bound)."""
+        n = data.nbytes if isinstance(data, memoryview) else len(data)
         if n > self.max_bytes:
             return False
-        page = bytes(data)
+        page = data if owned else bytes(data)
         with self._lock:
             old = self._pages.pop(key, None)
             if old is not None:
-                self._bytes -= len(old)
+                self._bytes -= _nbytes(old)
             while self._pages and self._bytes + n > self.max_bytes:
                 _, gone = self._pages.popitem(last=False)
-                self._bytes -= len(gone)
+                self._bytes -= _nbytes(gone)
                 self.dropped += 1
             self._pages[key] = page
             self._bytes += n
             self.held += 1
         return True
 
-    def take_all(self) -> list[tuple[str, bytes]]:
+    def take_all(self) -> list[tuple[str, bytes | memoryview]]:
         """Every held page, oldest first; the buffer is empty afterwards."""
         with self._lock:
             out = list(self._pages.items())
             self._pages.clear()
             self._bytes = 0
         return out
+
+
+def _nbytes(page: bytes | memoryview) -> int:
+    return page.nbytes if isinstance(page, memoryview) else len(page)

@@ -21,6 +21,7 @@ import logging
 from dataclasses import dataclass
 from typing import Protocol
 
+from kllm_plugins.plugins.kv_tiers.core.held_pages import HeldPages
 from kllm_plugins.plugins.kv_tiers.core.tier_state import TierState
 
 logger = logging.getLogger("kllm.kv_tiers")
@@ -42,7 +43,7 @@ class L3Writer(Protocol):
         """Remove the offer markers of pages just written."""
         ...
 
-    def put_held(self, key: str, data: bytes) -> bool:
+    def put_held(self, key: str, data: bytes | memoryview) -> bool:
         """Write a page kept in memory (`PageBatch.copy`'s bytes); whether it was written."""
         ...
 
@@ -54,9 +55,10 @@ class PageBatch(Protocol):
         """Write the first `n` pages; how many leading pages were written."""
         ...
 
-    def copy(self, i: int) -> bytes | None:
-        """A copy of page `i`'s bytes (the pool's page is reused after the call); None where the
-        backend cannot write such a copy later (the page is then dropped, as with no hold)."""
+    def copy(self, i: int) -> bytes | memoryview | None:
+        """A copy of page `i`'s bytes that the caller owns (the pool's page is reused after the
+        call); None where the backend cannot write such a copy later (the page is then dropped, as
+        with no hold)."""
         ...
 
 
@@ -103,10 +105,7 @@ def write_pages(state: TierState, writer: L3Writer, keys: list[str], batch: Page
         state.count("pages_skipped", skipped)
         state.meter.pages("skipped", skipped)
         if dormant and state.held.max_bytes:
-            for i in range(adm.admitted, len(keys)):
-                data = batch.copy(i)
-                if data is not None:
-                    state.held.hold(keys[i], data)
+            hold_tail(state.held, keys, batch, adm.admitted)
     written = batch.write(adm.admitted) if adm.admitted else 0
     if written:
         state.count("pages_admitted", written)
@@ -116,6 +115,28 @@ def write_pages(state: TierState, writer: L3Writer, keys: list[str], batch: Page
     if not dormant and len(state.held):
         write_held(state, writer)
     return WriteOutcome(len(keys), adm.admitted, written)
+
+
+def hold_tail(held: HeldPages, keys: list[str], batch: PageBatch, start: int) -> int:
+    """Hold copies of the skipped pages `keys[start:]`, only as many of the last ones as the bounded
+    buffer keeps: a page copied and then pushed out within the same call (a long prompt offers
+    hundreds of pages, the buffer keeps tens) is a copy for nothing, on a thread that shares the
+    GIL with the scheduler's. The buffer ends as if each page had been held in turn. How many
+    were held."""
+    tail: list[tuple[str, bytes | memoryview]] = []
+    total = 0
+    for i in range(len(keys) - 1, start - 1, -1):
+        data = batch.copy(i)
+        if data is None:
+            continue
+        n = data.nbytes if isinstance(data, memoryview) else len(data)
+        if total + n > held.max_bytes:
+            break
+        tail.append((keys[i], data))
+        total += n
+    for key, data in reversed(tail):
+        held.hold(key, data, owned=True)
+    return len(tail)
 
 
 def write_held(state: TierState, writer: L3Writer) -> int:

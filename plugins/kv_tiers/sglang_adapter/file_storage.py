@@ -288,8 +288,18 @@ class _FileBatch:
                 return i
         return n
 
-    def copy(self, i: int) -> bytes:
-        return b"".join(self.page(i))
+    def copy(self, i: int) -> memoryview:
+        return owned_copy(self.page(i))
+
+
+def owned_copy(parts: list[memoryview]) -> memoryview:
+    """A fresh copy of a page's blocks, one buffer, made by one torch op with the GIL released
+    (`b"".join` holds it for the whole copy, about 0.2 ms for an 8B model's 2 MiB page, during
+    which the scheduler's thread cannot run; one op per block would instead wait to take the GIL
+    back once per block)."""
+    srcs = [torch.frombuffer(bytearray(p) if p.readonly else p, dtype=torch.uint8) for p in parts if p.nbytes]
+    out = torch.cat(srcs) if srcs else torch.empty(0, dtype=torch.uint8)
+    return memoryview(out.numpy()).cast("B")
 
 
 def _byte_view(t: torch.Tensor) -> memoryview:
