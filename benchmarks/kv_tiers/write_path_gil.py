@@ -129,13 +129,13 @@ def main() -> int:
             for s in order:
                 m = measure(s, store, pool, a.pages, a.calls, idle_s)
                 recs.append({"setup": s, "repeat": r, **m})
+                print(f"  rep {r} {s:9s} steps/s {m['steps_per_s']:9.0f} p99 {m['step_p99_us']:7.1f} us "
+                      f"max {m['step_max_us']:8.1f} us" + (f", call {m['call_ms']:.1f} ms, held {m['held']}"
+                                                           if "call_ms" in m else ""), file=sys.stderr, flush=True)
             idle = next(x["steps_per_s"] for x in recs if x["repeat"] == r and x["setup"] == "idle")
             for x in recs:  # the loop's time lost per write call: the call's span x the rate it lost
                 if x["repeat"] == r and "call_ms" in x:
                     x["lost_ms_per_call"] = x["call_ms"] * max(0.0, 1 - x["steps_per_s"] / idle)
-                print(f"  rep {r} {s:9s} steps/s {m['steps_per_s']:9.0f} p99 {m['step_p99_us']:7.1f} us "
-                      f"max {m['step_max_us']:8.1f} us" + (f", call {m['call_ms']:.1f} ms, held {m['held']}"
-                                                           if "call_ms" in m else ""), file=sys.stderr, flush=True)
     metrics = summarize(recs)
     print_table(metrics, a)
     if a.record:
