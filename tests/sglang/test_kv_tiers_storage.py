@@ -851,7 +851,7 @@ def test_the_store_measures_its_reads_at_start_and_leaves_only_its_namespace(bac
 def test_held_copy_is_one_owned_buffer_of_the_page_blocks() -> None:
     """A page held while dormant is copied out of the host pool (whose page is reused after the
     call) into one buffer of its own, blocks in order, empty and read-only blocks included."""
-    from kllm_plugins.plugins.kv_tiers.sglang_adapter.file_storage import owned_copy
+    from kllm_plugins.plugins.kv_tiers.core.host_pages import owned_copy
 
     pool = torch.arange(64, dtype=torch.uint8)
     blocks = [memoryview(pool[:16].numpy()).cast("B"), memoryview(b""), memoryview(b"xyz"),

@@ -91,3 +91,13 @@ class PageBlocks:
 
     def nbytes(self, index: int) -> int:
         return sum(b.nbytes for b in self.blocks(index))
+
+
+def owned_copy(parts: list[memoryview]) -> memoryview:
+    """A fresh copy of a page's blocks, one buffer, made by one torch op with the GIL released
+    (`b"".join` holds it for the whole copy, about 0.2 ms for an 8B model's 2 MiB page, during
+    which the scheduler's thread cannot run; one op per block would instead wait to take the GIL
+    back once per block)."""
+    srcs = [torch.frombuffer(bytearray(p) if p.readonly else p, dtype=torch.uint8) for p in parts if p.nbytes]
+    out = torch.cat(srcs) if srcs else torch.empty(0, dtype=torch.uint8)
+    return memoryview(out.numpy()).cast("B")

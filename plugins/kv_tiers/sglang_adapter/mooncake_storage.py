@@ -58,6 +58,7 @@ from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeS
 
 from kllm_plugins.plugins.kv_tiers.core.bounded_calls import BoundedCalls, StoreSlow
 from kllm_plugins.plugins.kv_tiers.core.file_store import StoreStats
+from kllm_plugins.plugins.kv_tiers.core.host_pages import owned_copy
 from kllm_plugins.plugins.kv_tiers.core.page_format import (
     PageError,
     PageFault,
@@ -427,9 +428,9 @@ class KllmMooncakeStorage(MooncakeStore):
             self._layout = [(k[len(probe):], int(n)) for k, n in zip(key_strs, sizes)] if flat else []
         return self._layout
 
-    def _put_held(self, key: str, data: bytes) -> bool:
+    def _put_held(self, key: str, data: bytes | memoryview) -> bool:
         """Write a page kept in memory while dormant: its objects (as the zero-copy path names and
-        sizes them) and its record."""
+        sizes them, each as bytes for the store's `put_batch`) and its record."""
         layout = self._layout or []
         if not layout or len(data) != sum(n for _, n in layout) or not self.ready or not self.bounded.admit("write"):
             return False
@@ -437,7 +438,7 @@ class KllmMooncakeStorage(MooncakeStore):
         okeys, parts, at = [], [], 0
         for suffix, n in layout:
             okeys.append(tagged + suffix)
-            parts.append(data[at:at + n])
+            parts.append(bytes(data[at:at + n]))
             at += n
         t0 = time.perf_counter()
         try:
@@ -510,7 +511,7 @@ class _MooncakeWriter:
         if self.backend.sightings is not None:
             self.backend.sightings.forget_offered(list(keys))
 
-    def put_held(self, key: str, data: bytes) -> bool:
+    def put_held(self, key: str, data: bytes | memoryview) -> bool:
         return self.backend._put_held(key, data)
 
 
@@ -542,13 +543,14 @@ class _MooncakeBatch:
         b._written(self.keys[:written], time.perf_counter() - t0)
         return written
 
-    def copy(self, i: int) -> bytes | None:
+    def copy(self, i: int) -> memoryview | None:
         b, page = self.backend, self.backend.pool.page_size
         indices = self.host_indices[i * page:(i + 1) * page]
         if not b._object_layout(indices):
             return None
         ptrs, sizes = b.pool.get_page_buffer_meta(indices)
-        return b"".join(ctypes.string_at(int(p), int(n)) for p, n in zip(ptrs, sizes))
+        return owned_copy([memoryview((ctypes.c_char * int(n)).from_address(int(p))).cast("B")
+                           for p, n in zip(ptrs, sizes)])
 
 
 def _reattach_loop(ref: "weakref.ref[KllmMooncakeStorage]", stop: threading.Event, every_s: float) -> None:
