@@ -847,17 +847,3 @@ def test_the_store_measures_its_reads_at_start_and_leaves_only_its_namespace(bac
     assert "L3 reads measured at start over 4 pages" in caplog.text
     assert os.listdir(tmp_path) == [os.path.basename(b.store.folder)] and len(b.store) == 0
 
-
-def test_held_copy_is_one_owned_buffer_of_the_page_blocks() -> None:
-    """A page held while dormant is copied out of the host pool (whose page is reused after the
-    call) into one buffer of its own, blocks in order, empty and read-only blocks included."""
-    from kllm_plugins.plugins.kv_tiers.core.host_pages import owned_copy
-
-    pool = torch.arange(64, dtype=torch.uint8)
-    blocks = [memoryview(pool[:16].numpy()).cast("B"), memoryview(b""), memoryview(b"xyz"),
-              memoryview(pool[32:64].numpy()).cast("B")]
-    got = owned_copy(blocks)
-    want = bytes(range(16)) + b"xyz" + bytes(range(32, 64))
-    assert bytes(got) == want and got.nbytes == len(want)
-    pool.zero_()  # the pool's pages are reused: the held copy is not a view of them
-    assert bytes(got) == want

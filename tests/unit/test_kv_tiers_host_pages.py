@@ -78,3 +78,22 @@ def test_arithmetic_page_mapping_matches_the_pool_views(layout) -> None:
     assert len(calls) == n  # no torch view built per page once the mapping is known
     with pytest.raises(ValueError):
         PageBlocks(buf, lambda i: torch.zeros(3)[i % 2 : i % 2 + 1], page_size=PS, tokens=PAGES * PS)
+
+
+@pytest.mark.parametrize("block", [16, 64 << 10])
+def test_owned_copy_is_one_buffer_of_the_blocks_not_a_view_of_the_pool(block: int) -> None:
+    """A page held while dormant is copied out of the host pool (whose page is reused after the
+    call) into one buffer of its own, blocks in order, empty and read-only blocks included; small
+    pages are joined, pages of GIL_RELEASE_BYTES or more copied by torch."""
+    from kllm_plugins.plugins.kv_tiers.core.host_pages import owned_copy
+    from kllm_plugins.plugins.kv_tiers.core.page_format import GIL_RELEASE_BYTES
+
+    pool = torch.randint(0, 255, (16 * block,), dtype=torch.uint8)
+    blocks = [memoryview(pool[:block].numpy()).cast("B"), memoryview(b""), memoryview(b"xyz"),
+              memoryview(pool[2 * block:16 * block].numpy()).cast("B")]
+    want = bytes(pool[:block].numpy()) + b"xyz" + bytes(pool[2 * block:].numpy())
+    got = owned_copy(blocks)
+    assert isinstance(got, bytes) == (len(want) < GIL_RELEASE_BYTES)
+    assert bytes(got) == want
+    pool.zero_()  # the pool's pages are reused: the held copy is not a view of them
+    assert bytes(got) == want

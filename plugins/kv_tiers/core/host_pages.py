@@ -15,6 +15,8 @@ from typing import Callable
 
 import torch
 
+from kllm_plugins.plugins.kv_tiers.core.page_format import GIL_RELEASE_BYTES
+
 
 def block_offsets(shape: tuple[int, ...], stride: tuple[int, ...], itemsize: int) -> tuple[list[int], int]:
     """(byte offsets of the contiguous blocks, in C order; bytes per block) of a strided view."""
@@ -93,11 +95,14 @@ class PageBlocks:
         return sum(b.nbytes for b in self.blocks(index))
 
 
-def owned_copy(parts: list[memoryview]) -> memoryview:
-    """A fresh copy of a page's blocks, one buffer, made by one torch op with the GIL released
-    (`b"".join` holds it for the whole copy, about 0.2 ms for an 8B model's 2 MiB page, during
-    which the scheduler's thread cannot run; one op per block would instead wait to take the GIL
-    back once per block)."""
+def owned_copy(parts: list[memoryview]) -> bytes | memoryview:
+    """A fresh copy of a page's blocks, one buffer. A page of `GIL_RELEASE_BYTES` or more is copied
+    by one torch op with the GIL released (`b"".join` holds it for the whole copy, about 0.2 ms for
+    an 8B model's 2 MiB page, during which the scheduler's thread cannot run; one op per block
+    would instead wait to take the GIL back once per block). A smaller page (the tiny model's
+    32 KiB) is joined with the GIL held: taking it back after each would cost more than the copy."""
+    total = sum(p.nbytes for p in parts)
+    if total < GIL_RELEASE_BYTES:
+        return b"".join(parts)
     srcs = [torch.frombuffer(bytearray(p) if p.readonly else p, dtype=torch.uint8) for p in parts if p.nbytes]
-    out = torch.cat(srcs) if srcs else torch.empty(0, dtype=torch.uint8)
-    return memoryview(out.numpy()).cast("B")
+    return memoryview(torch.cat(srcs).numpy()).cast("B")
