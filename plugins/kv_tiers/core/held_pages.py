@@ -14,6 +14,8 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
+from kllm_plugins.plugins.kv_tiers.core.page_format import nbytes_of
+
 
 class HeldPages:
     """Bounded FIFO of (key, page bytes); a key held twice keeps one copy."""
@@ -40,17 +42,17 @@ class HeldPages:
     def hold(self, key: str, data: bytes | memoryview, owned: bool = False) -> bool:
         """Keep a copy of a skipped page (`owned`: `data` is already a copy no one else writes, kept
         as is); False when it cannot fit at all (larger than the bound)."""
-        n = data.nbytes if isinstance(data, memoryview) else len(data)
+        n = nbytes_of(data)
         if n > self.max_bytes:
             return False
         page = data if owned else bytes(data)
         with self._lock:
             old = self._pages.pop(key, None)
             if old is not None:
-                self._bytes -= _nbytes(old)
+                self._bytes -= nbytes_of(old)
             while self._pages and self._bytes + n > self.max_bytes:
                 _, gone = self._pages.popitem(last=False)
-                self._bytes -= _nbytes(gone)
+                self._bytes -= nbytes_of(gone)
                 self.dropped += 1
             self._pages[key] = page
             self._bytes += n
@@ -65,6 +67,3 @@ class HeldPages:
             self._bytes = 0
         return out
 
-
-def _nbytes(page: bytes | memoryview) -> int:
-    return page.nbytes if isinstance(page, memoryview) else len(page)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kllm_plugins.plugins.kv_tiers.core.held_pages import HeldPages
+from kllm_plugins.plugins.kv_tiers.core.page_format import nbytes_of
 from kllm_plugins.plugins.kv_tiers.core.tier_state import TierState
 
 logger = logging.getLogger("kllm.kv_tiers")
@@ -124,12 +125,14 @@ def hold_tail(held: HeldPages, keys: list[str], batch: PageBatch, start: int) ->
     GIL with the scheduler's. The buffer ends as if each page had been held in turn. How many
     were held."""
     tail: list[tuple[str, bytes | memoryview]] = []
-    total = 0
+    total = last = 0
     for i in range(len(keys) - 1, start - 1, -1):
+        if last and total + last > held.max_bytes:  # the pages of one call are of one size
+            break
         data = batch.copy(i)
         if data is None:
             continue
-        n = data.nbytes if isinstance(data, memoryview) else len(data)
+        n = last = nbytes_of(data)
         if total + n > held.max_bytes:
             break
         tail.append((keys[i], data))

@@ -288,9 +288,8 @@ class _FileBatch:
                 return i
         return n
 
-    def copy(self, i: int) -> memoryview:
+    def copy(self, i: int) -> bytes | memoryview:
         return owned_copy(self.page(i))
-
 
 
 def _byte_view(t: torch.Tensor) -> memoryview:
