@@ -87,6 +87,11 @@ COSTS = {
                  _CTX * 0.5 + _CTX * 0.5 / 128, 1.253e-8 / 128),
     "production": Costs(0.010, 4.0e-5, 0.0, 1.3e-9, 0.0, 0.010, 1.0e-4, 2.7e-8),
     "h200": Costs(0.010, 3.32e-5, 0.0, 7.81e-9, 0.0, 0.0075, 3.1e-5, 2.7e-8),
+    # 8 layers of the 8B width on the H100 (sim_h100_8l_check.py): fitted to that run's solo long
+    # prompts (24,576 / 40,960 tokens at chunk 2048: 0.737 / 1.891 s) with the H200's 10 ms a pass;
+    # a decode step 5.5 ms (fcfs TPOT 5.7 ms on `issue`); per request and per context token a
+    # quarter of the H200's (a quarter of the layers)
+    "h100_8l": Costs(0.010, 2.86e-6, 0.0, 1.975e-9, 0.0, 0.0055, 7.8e-6, 6.75e-9),
 }
 
 

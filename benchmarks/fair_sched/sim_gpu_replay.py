@@ -68,10 +68,10 @@ def _flag(command: str, flag: str, default: str) -> str:
     return words[words.index(flag) + 1] if flag in words else default
 
 
-def simulate_cell(c: dict[str, Any], seeds: int) -> dict[str, Any]:
+def simulate_cell(c: dict[str, Any], seeds: int, costs: str = "h200") -> dict[str, Any]:
     scale = tr.Scale(f"gpu{c['trace_chunk']}", c["trace_chunk"], c["max_prompt"], c["out_tokens"][0], c["out_tokens"][1],
                      1 / 4, 14.0)
-    cm, chunk = se.COSTS["h200"], c["chunk"]
+    cm, chunk = se.COSTS[costs], c["chunk"]
     cal = tr.make(c["trace"], scale, c["cal_requests"], 99)
     cap = se.capacity(cal, chunk, cm)
     long_tokens = 8 * c["trace_chunk"] - 1  # the GPU harness: long = at least 8 trace chunks
