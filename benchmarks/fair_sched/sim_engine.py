@@ -128,6 +128,29 @@ class Engine:
     seen_t: float = 0.0
     """The clock a plugin policy reads when it plans: `t`, or with `overlap` timing the start of
     the pass just run (SGLang's overlap scheduler on a GPU plans pass i+1 when pass i starts)."""
+    pool: int | None = None
+    """KV pool in tokens (None: no limit). A pass's rows are taken in order while their tokens fit
+    beside the KV held by partial, suspended and running requests; a row that does not fit is cut
+    to the free tokens if it continues a partial prefill, else left for a later pass (a simplified
+    SGLang admission: no reservation for running requests' future tokens, no retraction)."""
+
+
+def _fit_kv(e: Engine, rows: list[tuple[Req, int]], held: list[Req]) -> list[tuple[Req, int]]:
+    """The rows of a pass that the KV pool holds (see `Engine.pool`); `held`: requests set aside."""
+    if e.pool is None or not rows:
+        return rows
+    free = e.pool - sum(r.done for r in e.partial + held) - sum(r.work + r.tokens for r in e.running)
+    out = []
+    for r, k in rows:
+        if k <= free:
+            out.append((r, k))
+            free -= k
+        elif r in e.partial and free > 0:
+            out.append((r, free))
+            free = 0
+        else:
+            break
+    return out
 
 
 def _stock_order(e: Engine, policy: str) -> list[Req]:
@@ -291,13 +314,14 @@ def _decode_one_token(e: Engine) -> int:
 
 
 def simulate(trace: list[TraceRequest], rate: float, policy: Any, chunk: int, cm: Costs, seed: int = 0,
-             overlap: bool = False) -> list[Req]:
+             overlap: bool = False, pool_tokens: int | None = None) -> list[Req]:
     """Run `trace` (1 req/s timestamps) at `rate` req/s (0: all at once); return the requests.
-    `overlap`: the policy reads the clock as under SGLang's overlap scheduler on a GPU (Engine.seen_t)."""
+    `overlap`: the policy reads the clock as under SGLang's overlap scheduler on a GPU (Engine.seen_t).
+    `pool_tokens`: a KV pool of that many tokens (`Engine.pool`; default none)."""
     tie = random.Random(seed)
     reqs = [Req(i, (x.arrival_s / rate) if rate > 0 else 0.0, x.input_len, x.output_len, seq=i, tie=tie.random())
             for i, x in enumerate(trace)]
-    e = Engine(chunk, cm)
+    e = Engine(chunk, cm, pool=pool_tokens)
     nxt = finished = 0
     began = 0.0  # when the last pass started
     while finished < len(reqs):
@@ -310,6 +334,7 @@ def simulate(trace: list[TraceRequest], rate: float, policy: Any, chunk: int, cm
             continue
         e.seen_t = began if overlap else e.t
         rows = plan_stock(e, policy) if isinstance(policy, str) else policy.plan(e)
+        rows = _fit_kv(e, rows, list(getattr(policy, "suspended", {}).values())) if rows else rows
         began = e.t
         if rows:
             e.t += cm.prefill([(k, r.done) for r, k in rows])

@@ -9,7 +9,9 @@ solo long prompts and its fcfs TPOT; see sim_engine.py), and the run's cells are
 calibration, on seed 0 (the seed the GPU ran) and over `--seeds` seeds, the policy reading the clock
 as under SGLang's overlap scheduler with fair_sched's one-pass lag. Printed side by side with the
 GPU: capacity, and TPOT / P99 / mean against fcfs for the stock orders, fair_sched's defaults and
-`decode_time_share` 0.2 (`decode_share` 0), with decode's share of the time while prompts waited.
+`decode_time_share` 0.2 (`decode_share` 0), with decode's share of the time while prompts waited;
+once with no KV limit (as the H200 replay) and once with the run's KV pool (57,344 tokens a
+server; `sim_engine.Engine.pool`, a simplified SGLang admission).
 
     python benchmarks/fair_sched/sim_h100_8l_check.py --seeds 20 [--record]
 """
@@ -43,12 +45,15 @@ SETUPS = {  # name: (policy, fair_sched options); fair_sched reads the clock wit
 KEYS = {"tpot": ("tpot_s", "mean"), "p99": ("ttft_s", "p99"), "mean": ("ttft_s", "mean")}
 
 
-def replay(trace: str, s: dict[str, Any], seeds: int) -> dict[str, Any]:
-    """The model's capacity and, per setup, its ratios to fcfs on seed 0 and of `seeds`-seed means."""
+def replay(trace: str, s: dict[str, Any], seeds: int, pool: int | None = None) -> dict[str, Any]:
+    """The model's capacity and, per setup, its ratios to fcfs on seed 0 and of `seeds`-seed means;
+    `pool`: with a KV pool of that many tokens (`sim_engine.Engine.pool`), capacity included."""
     scale = tr.Scale(f"gpu{s['trace_chunk']}", s["trace_chunk"], s["max_prompt"], s["output_tokens"][0],
                      s["output_tokens"][1], 1 / 4, 14.0)
     cm, chunk = se.COSTS["h100_8l"], s["chunks"][0]
-    cap = se.capacity(tr.make(trace, scale, s["cal_requests"], 99), chunk, cm)
+    cal = tr.make(trace, scale, s["cal_requests"], 99)
+    cal_reqs = se.simulate(cal, 0.0, "fcfs", chunk, cm, pool_tokens=pool)
+    cap = len(cal_reqs) / max(r.finish_s for r in cal_reqs)
     jobs = [tr.make(trace, scale, s["requests"], seed) for seed in range(seeds)]
 
     def runs(policy: str, env: list[str] | None) -> list[dict[str, float]]:
@@ -57,8 +62,8 @@ def replay(trace: str, s: dict[str, Any], seeds: int) -> dict[str, Any]:
             pol = se.make_policy(policy, chunk, grid.config_from(env or []))
             if not isinstance(pol, str):
                 pol.pol.timing_lag = 1
-            row = se.summary(se.simulate(j, s["load"] * cap, pol, chunk, cm, seed, overlap=env is not None),
-                             8 * s["trace_chunk"] - 1)
+            row = se.summary(se.simulate(j, s["load"] * cap, pol, chunk, cm, seed, overlap=env is not None,
+                                         pool_tokens=pool), 8 * s["trace_chunk"] - 1)
             if not isinstance(pol, str):
                 w = pol.pol.waiting_s
                 row["waiting_decode_share"] = w["decode"] / max(w["decode"] + w["prefill"], 1e-12)
@@ -94,17 +99,20 @@ def main() -> int:
     s = d["settings"]
     metrics: dict[str, Any] = {}
     for trace in s["traces"]:
-        model, gpu = replay(trace, s, a.seeds), gpu_ratios(d, trace)
+        gpu = gpu_ratios(d, trace)
         gcap = d["calibration"][f"{trace}@{s['chunks'][0]}"]["capacity_req_s"]
-        metrics[trace] = {"gpu": gpu, "model": model, "gpu_capacity_req_s": round(gcap, 3)}
-        print(f"{trace} @ {s['chunks'][0]}: capacity GPU {gcap:.2f} / model {model['capacity_req_s']:.2f} req/s; "
-              f"ratios to fcfs, GPU / model seed 0 / model {a.seeds}-seed means")
-        for name in SETUPS:
-            m = model[name]
-            line = "  ".join(f"{k} {gpu[name][k]:.2f} / {m['seed0'][k]:.2f} / {m['seed_means'][k]:.2f}" for k in KEYS)
-            share = m.get("waiting_decode_share")
-            print(f"  {name:24s} {line}" + (f"  decode share while waiting (model) {share['seed0']:.3f} / "
-                                             f"{share['median']:.3f}" if share else ""))
+        metrics[trace] = {"gpu": gpu, "gpu_capacity_req_s": round(gcap, 3)}
+        for label, pool in (("model", None), ("model_kv_pool", s["pool_tokens"])):
+            model = metrics[trace][label] = replay(trace, s, a.seeds, pool)
+            print(f"{trace} @ {s['chunks'][0]}, {'no KV limit' if pool is None else f'KV pool {pool} tokens'}: "
+                  f"capacity GPU {gcap:.2f} / model {model['capacity_req_s']:.2f} req/s; "
+                  f"ratios to fcfs, GPU / model seed 0 / model {a.seeds}-seed means")
+            for name in SETUPS:
+                m = model[name]
+                line = "  ".join(f"{k} {gpu[name][k]:.2f} / {m['seed0'][k]:.2f} / {m['seed_means'][k]:.2f}" for k in KEYS)
+                share = m.get("waiting_decode_share")
+                print(f"  {name:24s} {line}" + (f"  decode share while waiting (model) {share['seed0']:.3f} / "
+                                                 f"{share['median']:.3f}" if share else ""))
     if a.record:
         summary = build_summary(f"python benchmarks/fair_sched/sim_h100_8l_check.py --seeds {a.seeds} --record",
                                 metrics, shared=grid.SIM_SHARED, seeds=a.seeds, gpu_file=GPU.name,

@@ -58,3 +58,25 @@ def test_overlap_timing_shows_the_policy_the_start_of_the_pass_just_run(
         # back to back, a plan comes when the pass planned before it ends; overlap timing shows
         # the policy when that pass began, which is when the plan before it came
         assert seen_t == (t_prev if overlap and t_prev < t else t)
+
+
+def test_a_kv_pool_holds_prefill_to_the_free_tokens(bench_module: Callable[[str, str], ModuleType]) -> None:
+    """With `pool_tokens` a pass takes its rows while they fit beside the KV held by partial and
+    running requests: a continuing chunk is cut to the free tokens, a new request waits for a later
+    pass; without a pool nothing changes; every request still computes its own prompt."""
+    se = bench_module("fair_sched", "sim_engine")
+    tr = bench_module("fair_sched", "traces")
+    e = se.Engine(128, se.COSTS["cpu"], pool=1000)
+    part, run, new = se.Req(0, 0.0, 2000, 4, done=700), se.Req(1, 0.0, 200, 8, done=200, tokens=3), se.Req(2, 0.0, 60, 4)
+    e.partial, e.running = [part], [run]
+    assert se._fit_kv(e, [(part, 128), (new, 60)], []) == [(part, 97)]  # 1000 - 700 - 203 free
+    assert se._fit_kv(e, [(new, 60)], [part]) == []  # a suspended request's KV counts too
+    e.pool = None
+    assert se._fit_kv(e, [(part, 128), (new, 60)], []) == [(part, 128), (new, 60)]
+    trace = [tr.TraceRequest(0.0, 3000, 8, ()), *(tr.TraceRequest(0.1 * i, 300, 8, ()) for i in range(1, 6))]
+    free = se.simulate(trace, 1.0, "fcfs", 128, se.COSTS["cpu"])
+    tight = se.simulate(trace, 1.0, "fcfs", 128, se.COSTS["cpu"], pool_tokens=3100)
+    assert all(r.done == r.work and r.tokens == r.out for r in tight)
+    # the shorts behind the long prompt wait for its KV to be freed (it finished), not only for its chunks
+    assert min(r.first_s for r in tight[1:]) >= tight[0].finish_s
+    assert min(r.first_s for r in free[1:]) < free[0].finish_s
