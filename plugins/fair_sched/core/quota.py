@@ -388,18 +388,22 @@ class FairPolicy:
         self._last_plan_s = now
         self._prev_kind, self._pass_kind = self._pass_kind, None
 
+    def _share_account(self) -> tuple[float, float]:
+        """(prefill, decode) seconds in `waiting_s` since the `decode_time_share` account restarted."""
+        return self.waiting_s["prefill"] - self._share_base[0], self.waiting_s["decode"] - self._share_base[1]
+
     @property
     def busy_s(self) -> dict[str, float]:
         """Time spent prefilling and decoding since prompts began waiting (`decode_time_share`)."""
-        return {"prefill": self.waiting_s["prefill"] - self._share_base[0],
-                "decode": self.waiting_s["decode"] - self._share_base[1]}
+        prefill, decode = self._share_account()
+        return {"prefill": prefill, "decode": decode}
 
     def _time_share_due(self) -> bool:
         share = self.params.decode_time_share
         if share <= 0 or self.decode_run >= TIME_SHARE_MAX_RUN:
             return False
-        decode = self.waiting_s["decode"] - self._share_base[1]
-        return decode < share * (self.waiting_s["prefill"] - self._share_base[0] + decode)
+        prefill, decode = self._share_account()
+        return decode < share * (prefill + decode)
 
     def _decode_due(self, now: float | None, running_reqs: int | None) -> bool:
         p = self.params

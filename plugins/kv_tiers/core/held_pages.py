@@ -66,4 +66,3 @@ class HeldPages:
             self._pages.clear()
             self._bytes = 0
         return out
-

@@ -543,7 +543,7 @@ class _MooncakeBatch:
         b._written(self.keys[:written], time.perf_counter() - t0)
         return written
 
-    def copy(self, i: int) -> memoryview | None:
+    def copy(self, i: int) -> bytes | memoryview | None:
         b, page = self.backend, self.backend.pool.page_size
         indices = self.host_indices[i * page:(i + 1) * page]
         if not b._object_layout(indices):
