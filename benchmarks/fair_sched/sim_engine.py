@@ -137,7 +137,7 @@ class Engine:
 
 def _fit_kv(e: Engine, rows: list[tuple[Req, int]], held: list[Req]) -> list[tuple[Req, int]]:
     """The rows of a pass that the KV pool holds (see `Engine.pool`); `held`: requests set aside."""
-    if e.pool is None or not rows:
+    if e.pool is None:
         return rows
     free = e.pool - sum(r.done for r in e.partial + held) - sum(r.work + r.tokens for r in e.running)
     out = []
@@ -334,7 +334,8 @@ def simulate(trace: list[TraceRequest], rate: float, policy: Any, chunk: int, cm
             continue
         e.seen_t = began if overlap else e.t
         rows = plan_stock(e, policy) if isinstance(policy, str) else policy.plan(e)
-        rows = _fit_kv(e, rows, list(getattr(policy, "suspended", {}).values())) if rows else rows
+        if rows and e.pool is not None:
+            rows = _fit_kv(e, rows, list(getattr(policy, "suspended", {}).values()))
         began = e.t
         if rows:
             e.t += cm.prefill([(k, r.done) for r, k in rows])
@@ -391,9 +392,9 @@ def summary(reqs: list[Req], long_tokens: int) -> dict[str, float]:
             "throughput": len(reqs) / (max(r.finish_s for r in reqs) - min(r.arrival for r in reqs))}
 
 
-def capacity(trace: list[TraceRequest], chunk: int, cm: Costs) -> float:
+def capacity(trace: list[TraceRequest], chunk: int, cm: Costs, pool_tokens: int | None = None) -> float:
     """Saturated fcfs throughput of a burst of the trace (the real harness measures it the same way)."""
-    reqs = simulate(trace, 0.0, "fcfs", chunk, cm)
+    reqs = simulate(trace, 0.0, "fcfs", chunk, cm, pool_tokens=pool_tokens)
     return len(reqs) / max(r.finish_s for r in reqs)
 
 

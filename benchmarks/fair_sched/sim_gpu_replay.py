@@ -17,6 +17,7 @@ ratios to fcfs on that pool), and no prefix cache (lpm equals fcfs).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -70,30 +71,35 @@ def _flag(command: str, flag: str, default: str) -> str:
     return words[words.index(flag) + 1] if flag in words else default
 
 
-def simulate_cell(c: dict[str, Any], seeds: int, costs: str = "h200") -> dict[str, Any]:
+def seed_runs(jobs: list[list[Any]], rate: float, chunk: int, cm: Any, long_tokens: int, policy: str,
+              env: list[str], overlap: bool = False, lag: int = 0, pool: int | None = None) -> list[dict[str, float]]:
+    """`policy` (with fair_sched's options `env`) on each seed's requests: `sim_engine.summary` per
+    seed, with fair_sched's decode share of the time while prompts waited (its own account).
+    `overlap` / `lag`: the clock as SGLang's overlap scheduler gives it and fair_sched's timing lag;
+    `pool`: a KV pool of that many tokens."""
+    cfg = grid.config_from(env)
+    out = []
+    for seed, j in enumerate(jobs):
+        pol = se.make_policy(policy, chunk, cfg)
+        if not isinstance(pol, str):
+            pol.pol.timing_lag = lag
+        row = se.summary(se.simulate(j, rate, pol, chunk, cm, seed, overlap=overlap, pool_tokens=pool), long_tokens)
+        if not isinstance(pol, str):
+            w = pol.pol.waiting_s
+            row["waiting_decode_share"] = w["decode"] / max(w["decode"] + w["prefill"], 1e-12)
+        out.append(row)
+    return out
+
+
+def simulate_cell(c: dict[str, Any], seeds: int) -> dict[str, Any]:
     scale = tr.Scale(f"gpu{c['trace_chunk']}", c["trace_chunk"], c["max_prompt"], c["out_tokens"][0], c["out_tokens"][1],
                      1 / 4, 14.0)
-    cm, chunk = se.COSTS[costs], c["chunk"]
+    cm, chunk = se.COSTS["h200"], c["chunk"]
     cal = tr.make(c["trace"], scale, c["cal_requests"], 99)
     cap = se.capacity(cal, chunk, cm)
     long_tokens = 8 * c["trace_chunk"] - 1  # the GPU harness: long = at least 8 trace chunks
     jobs = [tr.make(c["trace"], scale, c["requests"], seed) for seed in range(seeds)]
-
-    def runs(policy: str, env: list[str], overlap: bool = False, lag: int = 0,
-             pool: int | None = None) -> list[dict[str, float]]:
-        cfg = grid.config_from(env)
-        out = []
-        for seed, j in enumerate(jobs):
-            pol = se.make_policy(policy, chunk, cfg)
-            if not isinstance(pol, str):
-                pol.pol.timing_lag = lag
-            row = se.summary(se.simulate(j, c["load"] * cap, pol, chunk, cm, seed, overlap=overlap, pool_tokens=pool),
-                             long_tokens)
-            if not isinstance(pol, str):  # decode's share of the time while prompts waited (the policy's own account)
-                w = pol.pol.waiting_s
-                row["waiting_decode_share"] = w["decode"] / max(w["decode"] + w["prefill"], 1e-12)
-            out.append(row)
-        return out
+    runs = functools.partial(seed_runs, jobs, c["load"] * cap, chunk, cm, long_tokens)
 
     at = {p: runs(p, []) for p in POLICIES}
     per_seed = [grid.checks({p: [at[p][i]] for p in POLICIES}, "fair_sched") for i in range(seeds)]
@@ -117,20 +123,16 @@ def simulate_cell(c: dict[str, Any], seeds: int, costs: str = "h200") -> dict[st
         trade[f"decode_time_share 0.2, overlap timing, lag {lag}"] = runs(
             "fair_sched", ["decode_share=0", "decode_time_share=0.2"], overlap=True, lag=lag)
     trade["defaults, overlap timing, lag 1"] = runs("fair_sched", [], overlap=True, lag=1)
-    # with the cell's KV pool (the model has no limit otherwise; sim_engine.Engine.pool), fcfs
-    # under the same pool as the baseline of these two
-    if "pool_tokens" in c:
-        pool = c["pool_tokens"]
-        fcfs_pool = runs("fcfs", [], pool=pool)
-        for name, env in (("defaults", []), ("decode_time_share 0.2", ["decode_share=0", "decode_time_share=0.2"])):
-            rs = runs("fair_sched", env, overlap=True, lag=1, pool=pool)
-            for r, f in zip(rs, fcfs_pool):  # their ratios are to fcfs on the same pool (same arrivals)
-                r["_fcfs"] = f
-            trade[f"{name}, overlap timing, lag 1, KV pool"] = rs
-    def base(rs: list[dict[str, Any]], k: str) -> float:  # fcfs on the same pool where the runs had one
-        return statistics.fmean(r["_fcfs"][k] for r in rs) if "_fcfs" in rs[0] else fcfs[k]
-
-    out["tpot_p99_vs_fcfs"] = {name: {k: round(statistics.fmean(r[k] for r in rs) / base(rs, k), 3) for k in fcfs}
+    # with the cell's KV pool (the model has no limit otherwise; sim_engine.Engine.pool): ratios to
+    # fcfs on the same pool and arrivals
+    fcfs_pool = {k: statistics.fmean(r[k] for r in runs("fcfs", [], pool=c["pool_tokens"])) for k in fcfs}
+    base = {}
+    for name, env in (("defaults", []), ("decode_time_share 0.2", ["decode_share=0", "decode_time_share=0.2"])):
+        key = f"{name}, overlap timing, lag 1, KV pool"
+        trade[key] = runs("fair_sched", env, overlap=True, lag=1, pool=c["pool_tokens"])
+        base[key] = fcfs_pool
+    out["tpot_p99_vs_fcfs"] = {name: {k: round(statistics.fmean(r[k] for r in rs) / base.get(name, fcfs)[k], 3)
+                                      for k in fcfs}
                                for name, rs in trade.items()}
     # how much of the time decode held while prompts waited (median over seeds): where a
     # decode_time_share below it seldom binds

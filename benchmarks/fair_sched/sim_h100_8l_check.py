@@ -18,6 +18,7 @@ server; `sim_engine.Engine.pool`, a simplified SGLang admission).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -30,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import grid  # noqa: E402
 import sim_engine as se  # noqa: E402
 import traces as tr  # noqa: E402
+from sim_gpu_replay import seed_runs  # noqa: E402
 
 from kllm_plugins.bench.record import build_summary, write_summary  # noqa: E402
 
@@ -51,29 +53,15 @@ def replay(trace: str, s: dict[str, Any], seeds: int, pool: int | None = None) -
     scale = tr.Scale(f"gpu{s['trace_chunk']}", s["trace_chunk"], s["max_prompt"], s["output_tokens"][0],
                      s["output_tokens"][1], 1 / 4, 14.0)
     cm, chunk = se.COSTS["h100_8l"], s["chunks"][0]
-    cal = tr.make(trace, scale, s["cal_requests"], 99)
-    cal_reqs = se.simulate(cal, 0.0, "fcfs", chunk, cm, pool_tokens=pool)
-    cap = len(cal_reqs) / max(r.finish_s for r in cal_reqs)
+    cap = se.capacity(tr.make(trace, scale, s["cal_requests"], 99), chunk, cm, pool_tokens=pool)
     jobs = [tr.make(trace, scale, s["requests"], seed) for seed in range(seeds)]
+    # stock orders on the plain clock, fair_sched as under SGLang's overlap scheduler with its lag
+    runs = functools.partial(seed_runs, jobs, s["load"] * cap, chunk, cm, 8 * s["trace_chunk"] - 1, pool=pool)
 
-    def runs(policy: str, env: list[str] | None) -> list[dict[str, float]]:
-        out = []
-        for seed, j in enumerate(jobs):
-            pol = se.make_policy(policy, chunk, grid.config_from(env or []))
-            if not isinstance(pol, str):
-                pol.pol.timing_lag = 1
-            row = se.summary(se.simulate(j, s["load"] * cap, pol, chunk, cm, seed, overlap=env is not None,
-                                         pool_tokens=pool), 8 * s["trace_chunk"] - 1)
-            if not isinstance(pol, str):
-                w = pol.pol.waiting_s
-                row["waiting_decode_share"] = w["decode"] / max(w["decode"] + w["prefill"], 1e-12)
-            out.append(row)
-        return out
-
-    fcfs = runs("fcfs", None)
+    fcfs = runs("fcfs", [])
     out: dict[str, Any] = {"capacity_req_s": round(cap, 3)}
     for name, (policy, env) in SETUPS.items():
-        rs = runs(policy, env)
+        rs = runs(policy, env or [], overlap=env is not None, lag=1)
         cell = {"seed0": {k: round(rs[0][k] / fcfs[0][k], 3) for k in KEYS},
                 "seed_means": {k: round(statistics.fmean(r[k] for r in rs) / statistics.fmean(r[k] for r in fcfs), 3)
                                for k in KEYS}}
