@@ -52,7 +52,7 @@ def slo_crossing(points: list[tuple[float, float]], slo: float) -> float:
 
 
 def report(runs: list[dict[str, Any]], traces: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> None:
-    print(f"two servers per setup, L1 {args.l1_tokens} tokens per server, L2 2x L1, shared L3 folder; "
+    print(f"{getattr(args, 'servers', 2)} server(s) per setup, L1 {args.l1_tokens} tokens per server, L2 2x L1, shared L3 folder; "
           f"{args.repeats} repeats interleaved; hit rate and TTFT at 1 request in flight per server; open-loop "
           f"rates {args.rate_list} req/s; throughput at SLO: TTFT P{int(args.slo_pct * 100)} <= {args.slo_s} s "
           f"(medians of repeats, [min, max])")
@@ -146,7 +146,7 @@ def record(runs: list[dict[str, Any]], traces: dict[str, list[dict[str, Any]]], 
     root = Path(args.results_root)
     for r in runs:
         r["command"] = command
-    doc = {"method": {"servers_per_setup": 2, "l1_tokens_per_server": args.l1_tokens, "l2": "2x L1 per server",
+    doc = {"method": {"servers_per_setup": getattr(args, "servers", 2), "l1_tokens_per_server": args.l1_tokens, "l2": "2x L1 per server",
                       "l3": "folder shared by the setup's two servers", "repeats": args.repeats,
                       "order": "repeat 1: A B C, repeat 2: C B A, ... (consecutive turns of a setup share a start)",
                       "server_threads": args.server_threads or "inherited (torch default: one per core)",
@@ -177,7 +177,7 @@ def record(runs: list[dict[str, Any]], traces: dict[str, list[dict[str, Any]]], 
     if pressure:
         cells.append("[pressure] " + pressure["summary"])
     # the summary line (benchmarks/RESULTS.md is generated from the result files)
-    print(f"\n## kv_tiers (issue 7), {LABEL}, two servers per setup, interleaved "
+    print(f"\n## kv_tiers (issue 7), {LABEL}, {getattr(args, 'servers', 2)} server(s) per setup, interleaved "
           f"repeats, open-loop load{medium_note(args)}, {time.strftime('%Y-%m-%d %H:%M')}\n"
           f"`{command}` — L1 {args.l1_tokens} tokens per server, L2 2x L1, shared L3 folder; "
           f"{threads_note(args)}; {args.repeats} "

@@ -170,7 +170,7 @@ def summarize(name: str, tname: str, cells: dict[tuple[Any, int], dict[str, Any]
         "ttft_s": ttft,
         "throughput_at_slo_req_s": statistics.median(at_slo) if at_slo else 0.0,
         "throughput_at_slo_interp_req_s": statistics.median(crossing) if crossing else 0.0,
-        "servers": 2,
+        "servers": args.servers,
         "requests": base[0]["requests"],
         "repeats": len(reps),
         "slo": {"ttft_s": args.slo_s, "percentile": args.slo_pct},
@@ -327,7 +327,8 @@ def run(args: argparse.Namespace, traces: dict[str, list[dict[str, Any]]], t_sta
             mdir = tempfile.mkdtemp(prefix=f"kvt-medium-{name}-") if args.medium is not None else ""
             disk.append({"setup": name, "repeats": reps, "create_ms": round(create_cost_ms(store), 4)})
             print(f"== {name}: creating a page file costs {disk[-1]['create_ms']:.3f} ms here", file=sys.stderr)
-            servers, plugins = setup_servers(name, store, args, mdir, args.l1_tokens, args.server_threads)
+            servers, plugins = setup_servers(name, store, args, mdir, args.l1_tokens, args.server_threads,
+                                             args.servers)
             urls = [s.base_url for s in servers]
             prev_medium: list[dict[str, Any]] | None = None
             try:
@@ -452,6 +453,8 @@ def main() -> None:
     ap.add_argument("--unique-setups", default="l1_only,kv_tiers", help="setups that also run the no-reuse trace")
     ap.add_argument("--rates", default="2.5,5", help="open-loop arrival rates (req/s over both servers)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--servers", type=int, default=2, help="servers per setup (one alone on a GPU: nothing shares "
+                    "its PCIe link or its device time)")
     ap.add_argument("--l1-tokens", type=int, default=1024, help="--max-total-tokens (device KV) per server")
     ap.add_argument("--slo-s", type=float, default=2.0, help="TTFT SLO")
     ap.add_argument("--slo-pct", type=float, default=0.9, help="TTFT percentile held to the SLO")

@@ -23,6 +23,9 @@
 #   kv_tiers  benchmarks/gpu/kv_tiers_gpu.py (bench_tiers.py on the GPU; its arguments in $KV_ARGS, the
 #          wrapper's own (e.g. --mem-fraction 0.6 on an 80 GB card) in $KV_GPU_ARGS;
 #          summary under $OUT/benchmarks/results/kv_tiers/)
+#   copy_contention  benchmarks/kv_tiers/copy_under_compute_gpu.py (L1->L2 backup bandwidth of the hooked
+#          copier on an idle GPU, beside GEMMs, beside a second process; its arguments in $COPY_ARGS;
+#          summary copy_under_compute.json)
 #   time_to_serve  benchmarks/gpu/time_to_serve_gpu.py (bench_time_to_serve.py on the GPU; its arguments
 #          in $TTS_ARGS; summary under $OUT/benchmarks/results/bigpd_router/)
 # Each pytest suite also writes one JSON line per finished test as it goes (pytest_progress.py), and
@@ -102,6 +105,9 @@ for suite in "$@"; do
       timeout --kill-after=20 "$(step_limit $suite)" $PY benchmarks/bigpd_router/bench_relay_latency.py \
         --results-root "$OUT" --out-name gpu_relay_latency --shared "GPU machine's host, nothing else running" \
         ${RELAY_ARGS:-} > "$OUT/relay_latency.log" 2>&1; r=$? ;;
+    copy_contention)
+      timeout --kill-after=20 "$(step_limit $suite)" $PY benchmarks/kv_tiers/copy_under_compute_gpu.py \
+        --out "$OUT/copy_under_compute.json" ${COPY_ARGS:-} > "$OUT/copy_contention.log" 2>&1; r=$? ;;
     time_to_serve)
       timeout --kill-after=20 "$(step_limit $suite)" $PY benchmarks/gpu/time_to_serve_gpu.py --out-root "$OUT" -- \
         ${TTS_ARGS:-} > "$OUT/time_to_serve.log" 2>&1; r=$?

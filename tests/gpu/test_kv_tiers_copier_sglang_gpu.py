@@ -159,3 +159,28 @@ def test_backup_with_device_indices_kept_on_the_gpu_does_not_wait_for_the_forwar
     print(f"forward {forward_s * 1e3:.0f} ms; HiCache write call: indices moved to the host "
           f"{moved * 1e3:.1f} ms, kept on the GPU {kept * 1e3:.1f} ms")
     assert moved > 0.8 * forward_s and kept < 0.25 * forward_s, (forward_s, moved, kept)
+
+
+def test_high_priority_gather_sees_the_callers_queued_writes_and_is_exact() -> None:
+    """With `gather_priority` the gather runs on a stream of its own: it must still come after what
+    the caller queued (a forward writing the KV) and the caller's stream after the copies."""
+    from kllm_plugins.plugins.kv_tiers.core.staged_copy import LayerListCopier
+
+    layers, dev_pages, ps, heads, dim, n = 8, 3000, 16, 8, 128, 2500
+    pool = MHATokenToKVPoolHost(layers, dev_pages, 2 * n, ps, heads, dim, pinned=True)
+    cp = LayerListCopier(torch.device("cuda"), layers, ps * heads * dim, torch.bfloat16, chunk_pages=333,
+                         gather_priority=-1)
+    assert cp.staged._gather_stream is not None
+    dp, hp = torch.randperm(dev_pages)[:n].cuda(), torch.arange(n)
+    side = torch.cuda.Stream()
+    a = torch.randn(4096, 4096, device="cuda")
+    for value in (1.0, 2.0):
+        with torch.cuda.stream(side):
+            for _ in range(20):  # a long kernel queue ahead of the writes on the caller's stream
+                a = torch.tanh(a @ a)
+            for b in pool.device_k_buffers:
+                b.fill_(value)
+            cp.to_host(pool.device_k_buffers, pool.k_buffer, dp, hp, ps, sync=False)
+            pool.device_k_buffers[0].fill_(-1.0)  # after the copy on the caller's stream: not seen
+        side.synchronize()
+        assert bool((pool.k_buffer[hp] == value).all())

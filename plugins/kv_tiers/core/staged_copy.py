@@ -70,6 +70,10 @@ class StagedCopier:
     dtype: torch.dtype
     chunk_pages: int = 1024
     num_buffers: int = 2
+    gather_priority: int = 0
+    """CUDA stream priority of the device-side gather of `LayerListCopier.to_host` (0: it runs on
+    the caller's stream; negative: on a stream of its own at that priority, so that its blocks take
+    the SMs ahead of the forward's kernels queued at the default priority)."""
 
     def __post_init__(self) -> None:
         if self.chunk_pages < 1 or self.num_buffers < 1:
@@ -82,6 +86,8 @@ class StagedCopier:
             self._copy_stream = torch.cuda.Stream(device=self.device)
             self._free = [torch.cuda.Event() for _ in self._bufs]
             self._ready = [torch.cuda.Event() for _ in self._bufs]
+        self._gather_stream = (torch.cuda.Stream(device=self.device, priority=self.gather_priority)
+                               if self._cuda and self.gather_priority else None)
 
     def _check(self, pool: torch.Tensor, layout: Layout, pages: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
         _, elems = page_shape(pool, layout)
@@ -224,13 +230,14 @@ class LayerListCopier:
     (what HiCache's controller expects: it records its own completion event on that stream)."""
 
     def __init__(self, device: torch.device | str, layers: int, page_elems_per_layer: int, dtype: torch.dtype,
-                 chunk_pages: int = 256, num_buffers: int = 2, kernel: Kernel = "auto") -> None:
+                 chunk_pages: int = 256, num_buffers: int = 2, kernel: Kernel = "auto",
+                 gather_priority: int = 0) -> None:
         if kernel not in ("auto", "triton", "torch"):
             raise ValueError(f"kernel must be auto, triton or torch, got {kernel!r}")
         self.layers = layers
         self.per_layer = page_elems_per_layer
         self.staged = StagedCopier(torch.device(device), layers * page_elems_per_layer, dtype, chunk_pages,
-                                   num_buffers)
+                                   num_buffers, gather_priority)
         if kernel == "auto":
             kernel = "triton" if self.staged._cuda and _triton_ok() else "torch"
         self.kernel = kernel
@@ -290,13 +297,19 @@ class LayerListCopier:
                 flat.index_copy_(0, torch.tensor(hl[s:s + st.chunk_pages], dtype=torch.long), out)
             return
         main = torch.cuda.current_stream(st.device)
+        # the gather runs on the caller's stream or, with a priority, on the copier's own stream after
+        # what the caller queued; either way the copies wait for it and the caller for the copies
+        gs = st._gather_stream or main
+        if gs is not main:
+            gs.wait_stream(main)
         for k, s in enumerate(range(0, dev.numel(), st.chunk_pages)):
             b = k % len(st._bufs)
             n = min(st.chunk_pages, dev.numel() - s)
             buf = st._bufs[b][:n]
-            main.wait_event(st._free[b])
-            pages.gather(dev[s:s + n], buf)
-            st._ready[b].record(main)
+            gs.wait_event(st._free[b])
+            with torch.cuda.stream(gs):
+                pages.gather(dev[s:s + n], buf)
+            st._ready[b].record(gs)
             with torch.cuda.stream(st._copy_stream):
                 st._copy_stream.wait_event(st._ready[b])
                 for off, first, length in runs(hl[s:s + n]):
