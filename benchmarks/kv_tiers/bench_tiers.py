@@ -237,7 +237,7 @@ def kept_stats(servers: list[SGLangServer]) -> list[dict[str, Any]]:
             "path_s", "path_calls", "write_mode", "prefetch_wait", "l2_backup_tokens", "l2_backup_device_tokens",
             "l2_backup_device_bytes", "prefetch_probe_miss",
             "held_written", "held", "admission_holds", "prefetch_deferred", "prefetch_reissued",
-            "l2_backup_device_gbps", "l2_index_host_copies_skipped")
+            "l2_backup_device_gbps", "l2_index_host_copies_skipped", "l2_backup_copies")
     fkeys = ("l3_bandwidth_bytes_per_s", "l3_latency_s", "l3_samples", "prefill_samples", "l2_min_fetch_tokens",
              "l3_prefetch_overhead_busy_s", "l3_prefetch_waits", "l3_prefetch_waits_busy", "l3_min_fetch_tokens_busy")
     out = []

@@ -12,7 +12,11 @@ Conditions, each `--reps` backup calls of one prompt's pages (K and V, every lay
     other_gemm      a second process running GEMMs (the bench's other server prefilling: two CUDA
                     contexts on one GPU are time-sliced without MPS);
     other_copy      a second process making the same backups (both servers writing to L2 at once:
-                    one PCIe link).
+                    one PCIe link);
+    shuffled        idle, the host pages one consecutive range handed over in shuffled order (as a
+                    free list can), the copier merging them back into runs (`host_order`);
+    shuffled_as_is  the same pages copied in the order given (one copy per page: the old path);
+    scattered       idle, host pages drawn at random from four times as many (little to merge).
 
     python benchmarks/kv_tiers/copy_under_compute_gpu.py [--tokens 8704 --reps 10 --out F.json]
 """
@@ -33,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from plugins.kv_tiers.core.staged_copy import LayerListCopier  # noqa: E402
 
 LAYERS, HEADS, DIM, PAGE = 32, 8, 128, 16  # the 8B shape of the GPU benches, 16-token pages
-CONDITIONS = ("idle", "gemm", "gemm_high", "other_gemm", "other_copy")
+CONDITIONS = ("idle", "gemm", "gemm_high", "other_gemm", "other_copy", "shuffled", "shuffled_as_is", "scattered")
 
 
 class Pools:
@@ -45,27 +49,31 @@ class Pools:
         g = torch.Generator().manual_seed(seed)
         self.k = [torch.randn(rows, HEADS, DIM, device=dev, dtype=torch.bfloat16) for _ in range(LAYERS)]
         self.v = [torch.randn(rows, HEADS, DIM, device=dev, dtype=torch.bfloat16) for _ in range(LAYERS)]
-        shape = (2 * self.pages, LAYERS, PAGE, HEADS, DIM)
+        shape = (4 * self.pages, LAYERS, PAGE, HEADS, DIM)
         self.hk = torch.empty(shape, dtype=torch.bfloat16, pin_memory=True)
         self.hv = torch.empty(shape, dtype=torch.bfloat16, pin_memory=True)
         # device pages scattered as a radix tree's free list leaves them; host pages consecutive
         self.dp = torch.randperm(4 * self.pages, generator=g)[: self.pages].to(dev)
         self.hp = torch.arange(self.pages) + self.pages
+        self.host_pages = {"runs": self.hp, "shuffled": self.hp[torch.randperm(self.pages, generator=g)],
+                           "scattered": torch.randperm(4 * self.pages, generator=g)[: self.pages]}
         self.nbytes = 2 * self.pages * LAYERS * PAGE * HEADS * DIM * 2
 
-    def backup(self, cp: LayerListCopier) -> None:
-        cp.to_host(self.k, self.hk, self.dp, self.hp, PAGE, sync=False)
-        cp.to_host(self.v, self.hv, self.dp, self.hp, PAGE, sync=False)
+    def backup(self, cp: LayerListCopier, host: str = "runs") -> None:
+        hp = self.host_pages[host]
+        cp.to_host(self.k, self.hk, self.dp, hp, PAGE, sync=False)
+        cp.to_host(self.v, self.hv, self.dp, hp, PAGE, sync=False)
 
 
-def timed_backups(pools: Pools, cp: LayerListCopier, stream: torch.cuda.Stream, reps: int) -> list[float]:
+def timed_backups(pools: Pools, cp: LayerListCopier, stream: torch.cuda.Stream, reps: int,
+                  host: str = "runs") -> list[float]:
     """Device seconds of each backup, start and end events on the writing stream (as the server)."""
     out = []
     for _ in range(reps):
         with torch.cuda.stream(stream):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            pools.backup(cp)
+            pools.backup(cp, host)
             end.record()
         end.synchronize()
         out.append(start.elapsed_time(end) / 1e3)
@@ -117,9 +125,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     pools = Pools(args.tokens, dev)
     cps = {p: LayerListCopier(dev, LAYERS, PAGE * HEADS * DIM, torch.bfloat16, chunk_pages=args.chunk_pages,
                               gather_priority=p) for p in (0, -1)}
+    as_is = LayerListCopier(dev, LAYERS, PAGE * HEADS * DIM, torch.bfloat16, chunk_pages=args.chunk_pages,
+                            merge_host_runs=False)
     write = torch.cuda.Stream()
     gemm = GemmLoad(args.gemm_n, dev)
-    for cp in cps.values():
+    for cp in (*cps.values(), as_is):
         timed_backups(pools, cp, write, 2)
     # the PCIe limit: one contiguous pinned copy of the same bytes
     contig = torch.empty(pools.nbytes // 2, dtype=torch.bfloat16, device=dev)
@@ -148,7 +158,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for _ in range(args.reps):
                     if cond.startswith("gemm"):
                         gemm.queue(0.05)  # a forward's worth, queued first
-                    times += timed_backups(pools, cps[-1 if cond == "gemm_high" else 0], write, 1)
+                    cp = as_is if cond == "shuffled_as_is" else cps[-1 if cond == "gemm_high" else 0]
+                    host = {"shuffled_as_is": "shuffled"}.get(cond, cond if cond in pools.host_pages else "runs")
+                    times += timed_backups(pools, cp, write, 1, host)
                     torch.cuda.synchronize()
                 rows[cond] += [pools.nbytes / t / 1e9 for t in times]
             finally:

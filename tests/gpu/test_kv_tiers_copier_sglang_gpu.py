@@ -184,3 +184,29 @@ def test_high_priority_gather_sees_the_callers_queued_writes_and_is_exact() -> N
             pool.device_k_buffers[0].fill_(-1.0)  # after the copy on the caller's stream: not seen
         side.synchronize()
         assert bool((pool.k_buffer[hp] == value).all())
+
+
+def test_shuffled_host_pages_are_merged_into_runs_and_exact() -> None:
+    """A free list can hand a transfer consecutive host pages in shuffled order: the copier sorts the
+    pairs by host page (one copy per run, not per page) and the data stays exact both ways."""
+    from kllm_plugins.plugins.kv_tiers.core.staged_copy import LayerListCopier
+
+    layers, dev_pages, ps, heads, dim, n = 8, 3000, 16, 8, 128, 2500
+    pool = MHATokenToKVPoolHost(layers, dev_pages, 2 * n, ps, heads, dim, pinned=True)
+    cp = LayerListCopier(torch.device("cuda"), layers, ps * heads * dim, torch.bfloat16, chunk_pages=333)
+    dp = torch.randperm(dev_pages)[:n].cuda()
+    hp = (torch.arange(n) + 7)[torch.randperm(n)]
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        cp.to_host(pool.device_k_buffers, pool.k_buffer, dp, hp, ps, sync=False)
+    side.synchronize()
+    assert cp.copies["to_host"] <= 2 * ((n + 332) // 333)  # a run per chunk, not a copy per page
+    want = torch.stack([b[_tokens(dp.cpu(), ps).cuda()].view(n, ps, heads, dim) for b in pool.device_k_buffers], 1)
+    assert torch.equal(pool.k_buffer[hp], want.cpu())
+    pool.k_buffer[hp] = torch.randn(n, layers, ps, heads, dim).to(torch.bfloat16)
+    target = torch.randperm(dev_pages)[:n].cuda()
+    with torch.cuda.stream(side):
+        cp.to_device(pool.k_buffer, hp, pool.device_k_buffers, target, ps, sync=False)
+    side.synchronize()
+    got = torch.stack([b[_tokens(target.cpu(), ps).cuda()].view(n, ps, heads, dim) for b in pool.device_k_buffers], 1)
+    assert torch.equal(got.cpu(), pool.k_buffer[hp])

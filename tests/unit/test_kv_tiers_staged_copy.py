@@ -107,6 +107,41 @@ def test_layer_list_copier_moves_whole_pages_both_ways(chunk: int) -> None:
     assert all(torch.equal(x[others], y[others]) for x, y in zip(dev, dev_before))
 
 
+def test_host_order_merges_runs_and_keeps_every_pair() -> None:
+    from kllm_plugins.plugins.kv_tiers.core.staged_copy import host_order, runs
+
+    dev = torch.tensor([30, 31, 5, 6, 9, 2])
+    hl = [12, 10, 11, 21, 13, 20]  # two ranges handed out interleaved: 5 runs as given
+    d2, h2 = host_order(dev, hl)
+    assert h2 == [10, 11, 12, 13, 20, 21] and len(runs(h2)) == 2 and len(runs(hl)) == 5
+    assert sorted(zip(d2.tolist(), h2)) == sorted(zip(dev.tolist(), hl))  # same pairs
+    # nothing to gain: given back as they came (no device work)
+    for same in ([1, 2, 3, 9], [10, 11, 12, 40, 2, 3, 49], [7]):
+        d3, h3 = host_order(dev[:len(same)], same)
+        assert h3 is same and d3 is not None and torch.equal(d3, dev[:len(same)])
+
+
+@pytest.mark.parametrize("merge", [True, False])
+def test_layer_list_copier_is_exact_with_shuffled_host_pages(merge: bool) -> None:
+    from kllm_plugins.plugins.kv_tiers.core.staged_copy import LayerListCopier
+
+    ps, layers = 4, 3
+    dev, host = _sglang_pools(layers=layers, ps=ps)
+    cp = LayerListCopier("cpu", layers, ps * 2 * 8, torch.float32, chunk_pages=3, merge_host_runs=merge)
+    dev_pages = torch.tensor([3, 17, 4, 30, 31, 0, 9])
+    host_pages = torch.tensor([22, 20, 24, 21, 23, 26, 25])
+    cp.to_host(dev, host, dev_pages, host_pages, ps)
+    for d, h in zip(dev_pages.tolist(), host_pages.tolist()):
+        for layer in range(layers):
+            assert torch.equal(host[h, layer], dev[layer][d * ps:(d + 1) * ps])
+    host[host_pages] = torch.randn(len(host_pages), layers, ps, 2, 8)
+    target = torch.tensor([1, 2, 5, 6, 7, 8, 39])
+    cp.to_device(host, host_pages, dev, target, ps)
+    for d, h in zip(target.tolist(), host_pages.tolist()):
+        for layer in range(layers):
+            assert torch.equal(dev[layer][d * ps:(d + 1) * ps], host[h, layer])
+
+
 def test_layer_list_copier_refuses_mismatched_pools() -> None:
     from kllm_plugins.plugins.kv_tiers.core.staged_copy import LayerListCopier
 

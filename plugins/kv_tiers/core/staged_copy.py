@@ -171,6 +171,24 @@ def runs(pages: torch.Tensor | Sequence[int]) -> list[tuple[int, int, int]]:
     return out
 
 
+def host_order(dev: torch.Tensor, hl: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """The (device page, host page) pairs sorted by host page when that leaves fewer runs of
+    consecutive host pages (one DMA each): HiCache's host free list hands a transfer its pages in
+    freed order, so consecutive pages can sit apart in the list. Any order of the pairs moves the
+    same data. The permutation reaches the device without a host sync (pinned, non-blocking, on the
+    caller's stream)."""
+    if len(hl) < 2 or all(a < b for a, b in zip(hl, hl[1:])):
+        return dev, hl
+    order = sorted(range(len(hl)), key=hl.__getitem__)
+    merged = [hl[i] for i in order]
+    if len(runs(merged)) >= len(runs(hl)):
+        return dev, hl
+    perm = torch.tensor(order, dtype=torch.long)
+    if dev.is_cuda:
+        perm = perm.pin_memory().to(dev.device, non_blocking=True)
+    return dev[perm], merged
+
+
 def _layer_pages(layer: torch.Tensor, page_size: int) -> torch.Tensor:
     """A device layer [token rows, ...] as [pages, page_size * row elements] (a view)."""
     rows = layer.shape[0] - layer.shape[0] % page_size
@@ -231,7 +249,7 @@ class LayerListCopier:
 
     def __init__(self, device: torch.device | str, layers: int, page_elems_per_layer: int, dtype: torch.dtype,
                  chunk_pages: int = 256, num_buffers: int = 2, kernel: Kernel = "auto",
-                 gather_priority: int = 0) -> None:
+                 gather_priority: int = 0, merge_host_runs: bool = True) -> None:
         if kernel not in ("auto", "triton", "torch"):
             raise ValueError(f"kernel must be auto, triton or torch, got {kernel!r}")
         self.layers = layers
@@ -241,7 +259,11 @@ class LayerListCopier:
         if kernel == "auto":
             kernel = "triton" if self.staged._cuda and _triton_ok() else "torch"
         self.kernel = kernel
+        self.merge_host_runs = merge_host_runs
+        """Reorder a transfer's pages by host page where that merges host runs (`host_order`)."""
         self.calls = {"to_host": 0, "to_device": 0}
+        self.copies = {"to_host": 0, "to_device": 0}
+        """Host-side copies issued (one per run of consecutive host pages in a chunk)."""
         self._tables: dict[tuple[int, ...], _Pages] = {}
 
     def _check(self, layers: Sequence[torch.Tensor], host: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -282,7 +304,8 @@ class LayerListCopier:
         pages = self._pages(layers, page_size)
         dev = device_pages.to(device=layers[0].device, dtype=torch.long)
         self.calls[direction] += 1
-        return flat, pages, dev, host_pages.detach().to("cpu", torch.long).tolist()
+        hl = host_pages.detach().to("cpu", torch.long).tolist()
+        return (flat, pages, *host_order(dev, hl)) if self.merge_host_runs else (flat, pages, dev, hl)
 
     def to_host(self, layers: Sequence[torch.Tensor], host: torch.Tensor, device_pages: torch.Tensor,
                 host_pages: torch.Tensor, page_size: int, sync: bool = True) -> None:
@@ -312,8 +335,9 @@ class LayerListCopier:
             st._ready[b].record(gs)
             with torch.cuda.stream(st._copy_stream):
                 st._copy_stream.wait_event(st._ready[b])
-                for off, first, length in runs(hl[s:s + n]):
+                for off, first, length in (rr := runs(hl[s:s + n])):
                     flat[first:first + length].copy_(buf[off:off + length], non_blocking=True)
+                self.copies["to_host"] += len(rr)
                 st._free[b].record(st._copy_stream)
         if sync:
             st._copy_stream.synchronize()
@@ -337,8 +361,9 @@ class LayerListCopier:
             buf = st._bufs[b][:n]
             with torch.cuda.stream(st._copy_stream):
                 st._copy_stream.wait_event(st._free[b])
-                for off, first, length in runs(hl[s:s + n]):
+                for off, first, length in (rr := runs(hl[s:s + n])):
                     buf[off:off + length].copy_(flat[first:first + length], non_blocking=True)
+                self.copies["to_device"] += len(rr)
                 st._ready[b].record(st._copy_stream)
             main.wait_event(st._ready[b])
             pages.scatter(dev[s:s + n], buf)

@@ -76,12 +76,15 @@ def copier_for(pool: Any, chunk_pages: int) -> LayerListCopier:
 
 
 def backup(pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, chunk_pages: int,
-           sync: bool = False) -> None:
-    """Device to host, all layers, K and V: what `backup_from_device_all_layer` does."""
+           sync: bool = False) -> int:
+    """Device to host, all layers, K and V: what `backup_from_device_all_layer` does. Returns the
+    host-side copies issued (runs of consecutive host pages, K and V)."""
     cp = copier_for(pool, chunk_pages)
+    before = cp.copies["to_host"]
     hp, dp = page_ids(host_indices, pool.page_size), page_ids(device_indices, pool.page_size)
     cp.to_host(pool.device_k_buffers, pool.k_buffer, dp, hp, pool.page_size, sync=sync)
     cp.to_host(pool.device_v_buffers, pool.v_buffer, dp, hp, pool.page_size, sync=sync)
+    return cp.copies["to_host"] - before
 
 
 def load(pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, chunk_pages: int,
@@ -109,7 +112,10 @@ def around_backup_from_device_all_layer(original: Callable[..., Any], self: Any,
         result = original(self, device_pool, host_indices, _on_host(device_indices, io_backend), io_backend,
                           *args, **kwargs)
     else:
-        result = backup(self, host_indices, device_indices, chunk)
+        copies = backup(self, host_indices, device_indices, chunk)
+        result = None  # SGLang's method returns nothing
+        if t is not None:
+            t.count("l2_backup_copies", copies)
     if t is not None:
         _note_backup(t, int(host_indices.numel()), time.perf_counter() - t0, start, self)
     return result
