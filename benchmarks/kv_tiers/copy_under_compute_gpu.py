@@ -16,7 +16,10 @@ Conditions, each `--reps` backup calls of one prompt's pages (K and V, every lay
     shuffled        idle, the host pages one consecutive range handed over in shuffled order (as a
                     free list can), the copier merging them back into runs (`host_order`);
     shuffled_as_is  the same pages copied in the order given (one copy per page: the old path);
-    scattered       idle, host pages drawn at random from four times as many (little to merge).
+    scattered       idle, host pages drawn at random from four times as many (little to merge);
+    registered      idle, the host pool allocated as SGLang allocates it on CUDA (a plain tensor, then
+                    cudaHostRegister: 4 KiB pages) instead of torch's pinned allocator;
+    registered_thp  the same on memory advised to transparent huge pages before registering.
 
     python benchmarks/kv_tiers/copy_under_compute_gpu.py [--tokens 8704 --reps 10 --out F.json]
 """
@@ -24,8 +27,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import multiprocessing as mp
+import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,21 +43,62 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from plugins.kv_tiers.core.staged_copy import LayerListCopier  # noqa: E402
 
 LAYERS, HEADS, DIM, PAGE = 32, 8, 128, 16  # the 8B shape of the GPU benches, 16-token pages
-CONDITIONS = ("idle", "gemm", "gemm_high", "other_gemm", "other_copy", "shuffled", "shuffled_as_is", "scattered")
+CONDITIONS = ("idle", "gemm", "gemm_high", "other_gemm", "other_copy", "shuffled", "shuffled_as_is", "scattered",
+              "registered", "registered_thp")
+
+
+def host_tensor(shape: tuple[int, ...], how: str) -> torch.Tensor:
+    """A bf16 host tensor: torch's pinned allocator ("pinned"), or SGLang's CUDA host pool recipe
+    ("registered": allocate, then cudaHostRegister), optionally on memory advised to huge pages."""
+    if how == "pinned":
+        return torch.empty(shape, dtype=torch.bfloat16, pin_memory=True)
+    n = 2 * int(torch.tensor(shape).prod())
+    if how == "registered_thp":
+        buf = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        buf.madvise(mmap.MADV_HUGEPAGE)
+        t = torch.frombuffer(buf, dtype=torch.bfloat16).view(shape)
+        _KEEP.append(buf)
+    else:
+        t = torch.empty(shape, dtype=torch.bfloat16)
+    rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), n, 0)
+    if int(rc) != 0:
+        raise RuntimeError(f"cudaHostRegister failed: {rc}")
+    return t
+
+
+_KEEP: list[Any] = []
+
+
+def machine_memory() -> dict[str, Any]:
+    """NUMA nodes, the GPU's node and the transparent huge page setting (what the copy's host side sits on)."""
+    def read(path: str) -> str:
+        try:
+            return Path(path).read_text().strip()
+        except OSError:
+            return ""
+    nodes = sorted(p.name for p in Path("/sys/devices/system/node").glob("node[0-9]*"))
+    try:  # nvidia-smi says 00000000:1B:00.0, sysfs 0000:1b:00.0
+        bus = subprocess.run(["nvidia-smi", "--query-gpu=pci.bus_id", "--format=csv,noheader", "-i", "0"],
+                             capture_output=True, text=True, timeout=30).stdout.strip()[-12:].lower()
+    except (OSError, subprocess.SubprocessError):
+        bus = ""
+    return {"numa_nodes": {n: read(f"/sys/devices/system/node/{n}/cpulist") for n in nodes},
+            "gpu_numa_node": read(f"/sys/bus/pci/devices/{str(bus).lower()}/numa_node") if bus else "",
+            "thp": read("/sys/kernel/mm/transparent_hugepage/enabled"),
+            "cpus_allowed": len(os.sched_getaffinity(0))}
 
 
 class Pools:
     """K and V device layers and the pinned host pool of one backup's worth of pages (x2)."""
 
-    def __init__(self, tokens: int, dev: torch.device, seed: int = 0) -> None:
+    def __init__(self, tokens: int, dev: torch.device, seed: int = 0, host: str = "pinned") -> None:
         self.pages = tokens // PAGE
         rows = 4 * self.pages * PAGE + PAGE
         g = torch.Generator().manual_seed(seed)
         self.k = [torch.randn(rows, HEADS, DIM, device=dev, dtype=torch.bfloat16) for _ in range(LAYERS)]
         self.v = [torch.randn(rows, HEADS, DIM, device=dev, dtype=torch.bfloat16) for _ in range(LAYERS)]
         shape = (4 * self.pages, LAYERS, PAGE, HEADS, DIM)
-        self.hk = torch.empty(shape, dtype=torch.bfloat16, pin_memory=True)
-        self.hv = torch.empty(shape, dtype=torch.bfloat16, pin_memory=True)
+        self.hk, self.hv = host_tensor(shape, host), host_tensor(shape, host)
         # device pages scattered as a radix tree's free list leaves them; host pages consecutive
         self.dp = torch.randperm(4 * self.pages, generator=g)[: self.pages].to(dev)
         self.hp = torch.arange(self.pages) + self.pages
@@ -127,10 +174,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               gather_priority=p) for p in (0, -1)}
     as_is = LayerListCopier(dev, LAYERS, PAGE * HEADS * DIM, torch.bfloat16, chunk_pages=args.chunk_pages,
                             merge_host_runs=False)
+    other_pools = {h: Pools(args.tokens, dev, host=h) for h in ("registered", "registered_thp")
+                   if h in args.conditions}
     write = torch.cuda.Stream()
     gemm = GemmLoad(args.gemm_n, dev)
     for cp in (*cps.values(), as_is):
         timed_backups(pools, cp, write, 2)
+    for other in other_pools.values():
+        timed_backups(other, cps[0], write, 2)
     # the PCIe limit: one contiguous pinned copy of the same bytes
     contig = torch.empty(pools.nbytes // 2, dtype=torch.bfloat16, device=dev)
     host = torch.empty(pools.nbytes // 2, dtype=torch.bfloat16, pin_memory=True)
@@ -160,7 +211,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         gemm.queue(0.05)  # a forward's worth, queued first
                     cp = as_is if cond == "shuffled_as_is" else cps[-1 if cond == "gemm_high" else 0]
                     host = {"shuffled_as_is": "shuffled"}.get(cond, cond if cond in pools.host_pages else "runs")
-                    times += timed_backups(pools, cp, write, 1, host)
+                    times += timed_backups(other_pools.get(cond, pools), cp, write, 1, host)
                     torch.cuda.synchronize()
                 rows[cond] += [pools.nbytes / t / 1e9 for t in times]
             finally:
@@ -171,7 +222,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     summary = {c: {"median_gbps": round(statistics.median(v), 2), "min_gbps": round(min(v), 2),
                    "max_gbps": round(max(v), 2), "of_limit": round(statistics.median(v) / limit, 3), "n": len(v)}
                for c, v in rows.items()}
-    return {"limit_gbps": round(limit, 2), "backup_bytes": pools.nbytes, "conditions": summary}
+    return {"memory": machine_memory(), "limit_gbps": round(limit, 2), "backup_bytes": pools.nbytes, "conditions": summary}
 
 
 def main() -> None:
@@ -191,6 +242,7 @@ def main() -> None:
     res.update({"command": "python benchmarks/kv_tiers/copy_under_compute_gpu.py " + " ".join(sys.argv[1:]),
                 "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                 "seconds": round(time.perf_counter() - t0, 1)})
+    print("host memory:", json.dumps(res["memory"]))
     print(f"pinned contiguous limit {res['limit_gbps']} GB/s; backup {res['backup_bytes'] / 2**20:.0f} MiB")
     print(f"{'condition':<12}{'GB/s':>8}{'min':>8}{'max':>8}{'of limit':>10}")
     for c, r in res["conditions"].items():
