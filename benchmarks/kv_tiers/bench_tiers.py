@@ -248,7 +248,8 @@ def kept_stats(servers: list[SGLangServer]) -> list[dict[str, Any]]:
         st["l2_backup_device_gbps"] = round(st.get("l2_backup_device_bytes", 0) / dev_s / 1e9, 2) if dev_s else None
         store = st.get("store", {})
         fp = st.get("fetch_policy", {})
-        out.append({k: v for k, v in st.items() if k in keep}
+        out.append({k: v for k, v in st.items() if k in keep or k.startswith(("l2_backup_calls_", "l2_backup_bytes_",
+                                                                               "l2_backup_us_"))}
                    | {"store_hits": store.get("hits"), "store_put_bytes": store.get("put_bytes"),
                       "store_put_existing": store.get("put_existing"),
                       "l3_min_fetch_tokens": fp.get("l3_min_fetch_tokens"),

@@ -182,6 +182,11 @@ def test_backups_on_a_gpu_are_timed_by_events_read_at_a_later_call(monkeypatch, 
     assert tiers.counts["l2_backup_tokens"] == 2 * hi.numel()
     per_token = MHATokenToKVPoolHost().get_size_per_token()
     assert per_token > 0 and tiers.counts["l2_backup_device_bytes"] == hi.numel() * per_token
+    # the same call in its size class
+    size = sc.backup_size_class(hi.numel() * per_token)
+    assert tiers.counts[f"l2_backup_calls_{size}"] == 1 and tiers.counts[f"l2_backup_us_{size}"] == 2500
+    assert tiers.counts[f"l2_backup_bytes_{size}"] == hi.numel() * per_token
+    assert [sc.backup_size_class(n) for n in (1, 64 << 20, 600 << 20)] == ["small", "medium", "large"]
 
 
 def test_sglang_direct_backend_moves_device_indices_to_the_host() -> None:

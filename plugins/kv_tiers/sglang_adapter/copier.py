@@ -156,6 +156,16 @@ def _note_backup(t: Any, tokens: int, seconds: float, start: Any, host_pool: Any
         t.count("l2_backup_device_tokens", n)
         t.count("l2_backup_device_bytes", nbytes)
         t.spent("l2_backup_device", device_s)
+        # per size class (a chunked prompt's backups alternate full chunks and short tails)
+        size = backup_size_class(nbytes)
+        t.count(f"l2_backup_calls_{size}", 1)
+        t.count(f"l2_backup_bytes_{size}", nbytes)
+        t.count(f"l2_backup_us_{size}", int(device_s * 1e6))
+
+
+def backup_size_class(nbytes: int) -> str:
+    """Size class of one backup for the per-class counters: under 64 MiB, under 512 MiB, larger."""
+    return "small" if nbytes < 64 << 20 else "medium" if nbytes < 512 << 20 else "large"
 
 
 def around_load_to_device_per_layer(original: Callable[..., Any], self: Any, device_pool: Any,
