@@ -228,7 +228,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=8704, help="tokens per backup (the no-reuse trace's prompt)")
-    ap.add_argument("--chunk-pages", type=int, default=256, help="the plugin's staged_copier_chunk_pages")
+    ap.add_argument("--chunk-pages", type=int, default=64, help="the plugin's staged_copier_chunk_pages")
     ap.add_argument("--reps", type=int, default=10, help="backups per condition and round")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--gemm-n", type=int, default=8192)

@@ -79,8 +79,10 @@ class KvTiersConfig:
         True, 'CUDA: HiCache L1<->L2 pages through the staged copier (direct, page_first_direct)')
     """On CUDA, move HiCache's L1<->L2 pages through the staged copier (direct I/O backend,
     page_first_direct host layout); other devices and layouts keep SGLang's own transfer."""
-    staged_copier_chunk_pages: int = option(256, "pages per staging buffer of the copier", ge=1)
-    """Pages per staging buffer of the copier (two buffers per host pool)."""
+    staged_copier_chunk_pages: int = option(64, "pages per staging buffer of the copier", ge=1)
+    """Pages per staging buffer of the copier (two buffers per host pool). Smaller chunks keep the
+    link busy while a forward holds the SMs: inside a serving server on an H100, 64 pages of 1 MiB
+    moved the backups at 53.2 GB/s against 44.6 with 256 (the same copy on an idle GPU: about equal)."""
     device_indices_on_gpu: bool = option(
         True, "with the staged copier: leave HiCache's device page indices on the GPU (no host sync)")
     """With the staged copier engaged, leave the device indices of HiCache's L1<->L2 transfers on
