@@ -74,6 +74,14 @@ def kllm_declare() -> PluginSpec:
                 upstream="as for _handle_prefetch_result",
             ),
             PatchSpec(
+                target=f"{URC}.reset",
+                impl=f"{ADMISSION}:after_reset",
+                kind="after",
+                why="admission hold: a flush rebuilds the radix tree, so the held nodes and their locks are gone; "
+                    "the holds are dropped without releasing (their node ids may name new nodes)",
+                upstream="as for _handle_prefetch_result",
+            ),
+            PatchSpec(
                 target=f"{URC}.init_load_back",
                 impl=f"{MEASUREMENT}:around_init_load_back",
                 kind="around",

@@ -34,6 +34,15 @@ def test_holds_stay_within_budget_and_each_lock_comes_back_once() -> None:
     assert h.tokens == 0
 
 
+def test_clear_drops_every_hold_and_gives_the_locks_back_in_order() -> None:
+    h: AdmissionHolds[str] = AdmissionHolds(max_tokens=100, max_age_s=5.0)
+    h.hold("a", "lock-a", 30, now=0.0)
+    h.hold("b", "lock-b", 20, now=1.0)
+    assert h.clear("reset") == ["lock-a", "lock-b"]
+    assert len(h) == 0 and h.tokens == 0 and h.room_for(100) and h.release("a", "admitted") is None
+    assert h.snapshot()["reset"] == 2 and h.clear() == []
+
+
 def test_holds_expire_oldest_first_and_only_past_their_age() -> None:
     h: AdmissionHolds[int] = AdmissionHolds(max_tokens=100, max_age_s=5.0)
     for i in range(4):

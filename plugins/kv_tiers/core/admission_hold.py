@@ -42,7 +42,7 @@ class AdmissionHolds(Generic[L]):
         self.tokens = 0
         # held / held_tokens, over_budget / over_budget_tokens, and one count per release outcome
         self.counts: dict[str, int] = {"held": 0, "held_tokens": 0, "over_budget": 0, "over_budget_tokens": 0,
-                                       "admitted": 0, "aborted": 0, "expired": 0}
+                                       "admitted": 0, "aborted": 0, "expired": 0, "reheld": 0, "reset": 0}
 
     def __len__(self) -> int:
         return len(self._holds)
@@ -71,8 +71,8 @@ class AdmissionHolds(Generic[L]):
         self._count("held_tokens", tokens)
 
     def release(self, request: Hashable, outcome: str) -> L | None:
-        """Drop `request`'s hold (outcome "admitted" or "aborted"); its lock for the caller to
-        release, or None if it held none."""
+        """Drop `request`'s hold (outcome "admitted", "aborted", or "reheld": a fresh span replaces
+        it); its lock for the caller to release, or None if it held none."""
         h = self._holds.pop(request, None)
         if h is None:
             return None
@@ -91,6 +91,14 @@ class AdmissionHolds(Generic[L]):
             self.tokens -= h.tokens
             self._count("expired")
             out.append(h.lock)
+        return out
+
+    def clear(self, outcome: str = "reset") -> list[L]:
+        """Drop every hold (the tree they lock was rebuilt); their locks, in the order taken."""
+        out = [h.lock for h in self._holds.values()]
+        self._count(outcome, len(out))
+        self._holds.clear()
+        self.tokens = 0
         return out
 
     def note(self, what: str) -> None:

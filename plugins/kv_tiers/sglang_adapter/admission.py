@@ -7,6 +7,7 @@ its request is admitted or aborted, within the budget and age of the core `Admis
 from __future__ import annotations
 
 import logging
+import time
 from array import array
 from typing import Any
 
@@ -51,12 +52,19 @@ def _hold_loaded_span(t: TierState, cache: Any, request: Any, span: tuple[array[
     if holds is None:
         return
     now = t.clock()
-    for node, params in holds.expired(now):
-        cache.dec_host_lock_ref(node, params)
+    for lock in holds.expired(now):
+        _unlock(t, cache, lock)
         t.hold_event("expired", counted=True)
-    if loaded <= 0 or request in holds:
-        t.hold_event("nothing_loaded" if loaded <= 0 else "already_held")
+    if loaded <= 0:
+        t.hold_event("nothing_loaded")
         return
+    if request in holds:
+        # HiCache re-issued this request's lookup (its match shrank while it queued): the span just
+        # inserted is the live one, so the hold moves to it
+        old = holds.release(request, "reheld")
+        if old is not None:
+            _unlock(t, cache, old)
+            t.hold_event("reheld", counted=True)
     if not holds.room_for(loaded):
         holds.refuse(loaded)
         t.hold_event("over_budget", counted=True)
@@ -80,6 +88,34 @@ def _hold_loaded_span(t: TierState, cache: Any, request: Any, span: tuple[array[
     t.hold_event("held", counted=True)
 
 
+_last_warning = [0.0]
+
+
+def _unlock(t: TierState, cache: Any, lock: tuple[Any, Any]) -> bool:
+    """Release a hold's host lock. A lock whose node the tree no longer has (seen with the Rust
+    TreeCore after a re-issued lookup) must not end the scheduler: counted and logged instead."""
+    try:
+        cache.dec_host_lock_ref(*lock)
+        return True
+    except Exception as e:  # noqa: BLE001 - any failure here would kill the scheduler's loop
+        t.hold_event("release_failed")
+        now = time.monotonic()
+        if now - _last_warning[0] >= 60.0:
+            _last_warning[0] = now
+            logger.warning("kv_tiers: an admission hold's host lock could not be released (%s: %s); "
+                           "its node is gone from the tree", type(e).__name__, e)
+        return False
+
+
+def after_reset(result: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
+    """The radix tree was rebuilt (flush): its nodes and their locks are gone, so are the holds."""
+    t = state.current()
+    if t is not None and t.holds is not None:
+        for _ in t.holds.clear("reset"):
+            t.hold_event("reset", counted=True)
+    return None
+
+
 def _release_hold(cache: Any, request: Any, outcome: str) -> bool:
     t = state.current()
     if t is None:
@@ -91,9 +127,8 @@ def _release_hold(cache: Any, request: Any, outcome: str) -> bool:
     lock = t.holds.release(request, outcome)
     if lock is None:
         return False
-    cache.dec_host_lock_ref(*lock)
     t.hold_event(outcome, counted=True)
-    return True
+    return _unlock(t, cache, lock)
 
 
 def after_finish_storage_prefetch_admission(result: Any, self: Any, request: Any, fulfilled_tokens: int = 0,
