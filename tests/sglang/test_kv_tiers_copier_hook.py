@@ -95,7 +95,8 @@ def test_disabled_copier_keeps_sglang_transfer(monkeypatch) -> None:
     assert orig.calls == 1
 
 
-def test_taken_hooks_move_what_sglang_direct_transfer_moves(monkeypatch) -> None:
+@pytest.mark.parametrize("host_pages", [[0, 1, 2, 9, 23], [2, 23, 0, 9, 1]])  # in order; shuffled (reordered once)
+def test_taken_hooks_move_what_sglang_direct_transfer_moves(monkeypatch, host_pages: list[int]) -> None:
     """Eligibility forced on CPU tensors: the hooks run the copier (its synchronous CPU path) and
     the host pool ends up as SGLang's page_first_direct transfer (the CPU platform's torch op)
     leaves it; the load brings every layer back at layer 0 and ignores the later layers' calls."""
@@ -104,7 +105,7 @@ def test_taken_hooks_move_what_sglang_direct_transfer_moves(monkeypatch) -> None
     monkeypatch.setattr(sc, "_enabled", lambda: (True, 2))
     monkeypatch.setattr(sc, "eligible", lambda pool, io, device_type=None: io == "direct")
     pool, ref, orig = MHATokenToKVPoolHost(), MHATokenToKVPoolHost(), _Original()
-    dev_pages, host_pages = [7, 2, 3, 11, 19], [0, 1, 2, 9, 23]
+    dev_pages = [7, 2, 3, 11, 19]
     di, hi = _tokens(dev_pages), _tokens(host_pages)
     sc._copiers.clear()
     assert sc.around_backup_from_device_all_layer(orig, pool, None, hi, di, "direct") is None

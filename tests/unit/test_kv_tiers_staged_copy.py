@@ -142,6 +142,35 @@ def test_layer_list_copier_is_exact_with_shuffled_host_pages(merge: bool) -> Non
             assert torch.equal(dev[layer][d * ps:(d + 1) * ps], host[h, layer])
 
 
+def test_a_plan_serves_k_and_v_without_ordering_the_pages_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kllm_plugins.plugins.kv_tiers.core import staged_copy
+
+    ps, layers = 4, 3
+    k, hk = _sglang_pools(layers=layers, ps=ps)
+    v, hv = _sglang_pools(layers=layers, ps=ps)
+    cp = staged_copy.LayerListCopier("cpu", layers, ps * 2 * 8, torch.float32, chunk_pages=3)
+    calls = []
+    real = staged_copy.host_order
+    monkeypatch.setattr(staged_copy, "host_order", lambda d, h: calls.append(1) or real(d, h))
+    dev_pages, host_pages = torch.tensor([3, 17, 4, 30, 31]), torch.tensor([22, 20, 24, 21, 23])
+    dp, hl = cp.plan(dev_pages, host_pages)
+    assert hl == [20, 21, 22, 23, 24] and calls == [1]
+    for layer_list, host in ((k, hk), (v, hv)):
+        cp.to_host(layer_list, host, dp, hl, ps)
+        for d, h in zip(dev_pages.tolist(), host_pages.tolist()):
+            for layer in range(layers):
+                assert torch.equal(host[h, layer], layer_list[layer][d * ps:(d + 1) * ps])
+    assert calls == [1]  # the planned pages were taken as they are
+    target = torch.tensor([1, 2, 5, 6, 7])
+    tp, thl = cp.plan(target, host_pages)
+    for layer_list, host in ((k, hk), (v, hv)):
+        cp.to_device(host, thl, layer_list, tp, ps)
+        for d, h in zip(target.tolist(), host_pages.tolist()):
+            for layer in range(layers):
+                assert torch.equal(layer_list[layer][d * ps:(d + 1) * ps], host[h, layer])
+    assert calls == [1, 1]
+
+
 def test_layer_list_copier_refuses_mismatched_pools() -> None:
     from kllm_plugins.plugins.kv_tiers.core.staged_copy import LayerListCopier
 

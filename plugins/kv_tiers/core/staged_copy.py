@@ -295,21 +295,30 @@ class LayerListCopier:
             self._tables[key] = table
         return table
 
+    def plan(self, device_pages: torch.Tensor, host_pages: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """A transfer's pages as the copy loops take them: device page ids on the copier's device,
+        host page ids as a list (one host sync), reordered by host page where that merges runs.
+        A caller moving K and V over the same pages plans once and passes the plan to both."""
+        dev = device_pages.to(device=self.staged.device, dtype=torch.long)
+        hl = host_pages.detach().to("cpu", torch.long).tolist()
+        return host_order(dev, hl) if self.merge_host_runs else (dev, hl)
+
     def _begin(self, direction: str, layers: Sequence[torch.Tensor], host: torch.Tensor,
-               device_pages: torch.Tensor, host_pages: torch.Tensor, page_size: int
+               device_pages: torch.Tensor, host_pages: torch.Tensor | list[int], page_size: int
                ) -> tuple[torch.Tensor, Any, torch.Tensor, list[int]]:
         """What both directions start from: the host pool as [pages, elements], the layers' page
-        access, device page ids on the layers' device, host page ids as a list (one sync)."""
+        access, and the pages planned (`plan`; a list of host pages means they already are)."""
         flat = self._check(layers, host, page_size)
         pages = self._pages(layers, page_size)
-        dev = device_pages.to(device=layers[0].device, dtype=torch.long)
         self.calls[direction] += 1
-        hl = host_pages.detach().to("cpu", torch.long).tolist()
-        return (flat, pages, *host_order(dev, hl)) if self.merge_host_runs else (flat, pages, dev, hl)
+        if isinstance(host_pages, list):
+            return flat, pages, device_pages, host_pages
+        return (flat, pages, *self.plan(device_pages, host_pages))
 
     def to_host(self, layers: Sequence[torch.Tensor], host: torch.Tensor, device_pages: torch.Tensor,
-                host_pages: torch.Tensor, page_size: int, sync: bool = True) -> None:
-        """host page host_pages[i] = device page device_pages[i] (all layers)."""
+                host_pages: torch.Tensor | list[int], page_size: int, sync: bool = True) -> None:
+        """host page host_pages[i] = device page device_pages[i] (all layers); the pages as given
+        or as `plan` returned them."""
         flat, pages, dev, hl = self._begin("to_host", layers, host, device_pages, host_pages, page_size)
         st = self.staged
         if not st._cuda:
@@ -344,9 +353,10 @@ class LayerListCopier:
         else:
             main.wait_stream(st._copy_stream)
 
-    def to_device(self, host: torch.Tensor, host_pages: torch.Tensor, layers: Sequence[torch.Tensor],
+    def to_device(self, host: torch.Tensor, host_pages: torch.Tensor | list[int], layers: Sequence[torch.Tensor],
                   device_pages: torch.Tensor, page_size: int, sync: bool = True) -> None:
-        """device page device_pages[i] = host page host_pages[i] (all layers)."""
+        """device page device_pages[i] = host page host_pages[i] (all layers); the pages as given
+        or as `plan` returned them."""
         flat, pages, dev, hl = self._begin("to_device", layers, host, device_pages, host_pages, page_size)
         st = self.staged
         if not st._cuda:

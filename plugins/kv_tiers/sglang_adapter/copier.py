@@ -81,9 +81,9 @@ def backup(pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, 
     host-side copies issued (runs of consecutive host pages, K and V)."""
     cp = copier_for(pool, chunk_pages)
     before = cp.copies["to_host"]
-    hp, dp = page_ids(host_indices, pool.page_size), page_ids(device_indices, pool.page_size)
-    cp.to_host(pool.device_k_buffers, pool.k_buffer, dp, hp, pool.page_size, sync=sync)
-    cp.to_host(pool.device_v_buffers, pool.v_buffer, dp, hp, pool.page_size, sync=sync)
+    dp, hl = cp.plan(page_ids(device_indices, pool.page_size), page_ids(host_indices, pool.page_size))
+    cp.to_host(pool.device_k_buffers, pool.k_buffer, dp, hl, pool.page_size, sync=sync)
+    cp.to_host(pool.device_v_buffers, pool.v_buffer, dp, hl, pool.page_size, sync=sync)
     return cp.copies["to_host"] - before
 
 
@@ -91,9 +91,9 @@ def load(pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, ch
          sync: bool = False) -> None:
     """Host to device, all layers, K and V (done at the first layer's call)."""
     cp = copier_for(pool, chunk_pages)
-    hp, dp = page_ids(host_indices, pool.page_size), page_ids(device_indices, pool.page_size)
-    cp.to_device(pool.k_buffer, hp, pool.device_k_buffers, dp, pool.page_size, sync=sync)
-    cp.to_device(pool.v_buffer, hp, pool.device_v_buffers, dp, pool.page_size, sync=sync)
+    dp, hl = cp.plan(page_ids(device_indices, pool.page_size), page_ids(host_indices, pool.page_size))
+    cp.to_device(pool.k_buffer, hl, pool.device_k_buffers, dp, pool.page_size, sync=sync)
+    cp.to_device(pool.v_buffer, hl, pool.device_v_buffers, dp, pool.page_size, sync=sync)
 
 
 def around_backup_from_device_all_layer(original: Callable[..., Any], self: Any, device_pool: Any,
