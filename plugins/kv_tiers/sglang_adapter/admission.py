@@ -7,7 +7,6 @@ its request is admitted or aborted, within the budget and age of the core `Admis
 from __future__ import annotations
 
 import logging
-import time
 from array import array
 from typing import Any
 
@@ -88,22 +87,19 @@ def _hold_loaded_span(t: TierState, cache: Any, request: Any, span: tuple[array[
     t.hold_event("held", counted=True)
 
 
-_last_warning = [0.0]
-
-
 def _unlock(t: TierState, cache: Any, lock: tuple[Any, Any]) -> bool:
     """Release a hold's host lock. A lock whose node the tree no longer has (seen with the Rust
-    TreeCore after a re-issued lookup) must not end the scheduler: counted and logged instead."""
+    TreeCore after a re-issued lookup) must not end the scheduler: counted (`release_failed`, in
+    the snapshot and the metric) and logged the first time instead."""
     try:
         cache.dec_host_lock_ref(*lock)
         return True
     except Exception as e:  # noqa: BLE001 - any failure here would kill the scheduler's loop
         t.hold_event("release_failed")
-        now = time.monotonic()
-        if now - _last_warning[0] >= 60.0:
-            _last_warning[0] = now
+        if t.holds is not None and t.holds.counts.get("release_failed") == 1:
             logger.warning("kv_tiers: an admission hold's host lock could not be released (%s: %s); "
-                           "its node is gone from the tree", type(e).__name__, e)
+                           "its node is gone from the tree (counted as release_failed from now on)",
+                           type(e).__name__, e)
         return False
 
 
