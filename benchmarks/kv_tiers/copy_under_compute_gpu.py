@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import mmap
 import multiprocessing as mp
 import os
@@ -52,7 +53,7 @@ def host_tensor(shape: tuple[int, ...], how: str) -> torch.Tensor:
     ("registered": allocate, then cudaHostRegister), optionally on memory advised to huge pages."""
     if how == "pinned":
         return torch.empty(shape, dtype=torch.bfloat16, pin_memory=True)
-    n = 2 * int(torch.tensor(shape).prod())
+    n = 2 * math.prod(shape)
     if how == "registered_thp":
         buf = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         buf.madvise(mmap.MADV_HUGEPAGE)

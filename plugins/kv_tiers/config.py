@@ -81,8 +81,8 @@ class KvTiersConfig:
     page_first_direct host layout); other devices and layouts keep SGLang's own transfer."""
     staged_copier_chunk_pages: int = option(64, "pages per staging buffer of the copier", ge=1)
     """Pages per staging buffer of the copier (two buffers per host pool). Smaller chunks keep the
-    link busy while a forward holds the SMs: inside a serving server on an H100, 64 pages of 1 MiB
-    moved the backups at 53.2 GB/s against 44.6 with 256 (the same copy on an idle GPU: about equal)."""
+    link busy while a forward holds the SMs (inside a serving server on an H100, 64 beat 256:
+    benchmarks/results/kv_tiers/gpu_no_reuse_one_server_chunks_h100.json)."""
     device_indices_on_gpu: bool = option(
         True, "with the staged copier: leave HiCache's device page indices on the GPU (no host sync)")
     """With the staged copier engaged, leave the device indices of HiCache's L1<->L2 transfers on
