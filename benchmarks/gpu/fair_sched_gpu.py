@@ -154,7 +154,8 @@ def main() -> int:
                     reqs = make(trace, scale, a.requests, seed)
                     order = list(a.policies) if seed % 2 == 0 else list(a.policies)[::-1]
                     for p in [p for p in order if p in servers]:
-                        run_one(a, res, servers[p], p, trace, chunk, seed, reqs, a.load * capacity, solo_fn, t_start)
+                        if not run_one(a, res, servers[p], p, trace, chunk, seed, reqs, a.load * capacity, solo_fn, t_start):
+                            servers.pop(p).stop()  # it exited: left out of the later runs, its error recorded
         finally:
             for srv in servers.values():
                 srv.stop()
@@ -164,12 +165,13 @@ def main() -> int:
 
 
 def run_one(a: Any, res: dict[str, Any], srv: Any, p: str, trace: str, chunk: int, seed: int, reqs: list[Any],
-            rate: float, solo_fn: Any, t_start: float) -> None:
-    """One policy's run of one seed of one trace; a failure is recorded with the server's state."""
-    flush(srv)
-    before = fair_totals(srv, COUNTERS) if is_fair(p) else {}
-    t0 = time.perf_counter()
+            rate: float, solo_fn: Any, t_start: float) -> bool:
+    """One policy's run of one seed of one trace; a failure is recorded with the server's state.
+    Returns False when the server has exited (stock SGLang's chunk overcommit can end it)."""
     try:
+        flush(srv)
+        before = fair_totals(srv, COUNTERS) if is_fair(p) else {}
+        t0 = time.perf_counter()
         outs = run_jobs(srv.base_url, jobs_of(reqs, rate, f"s{seed}", a.trace_chunk, f"{p}-{seed}"))
     except Exception as exc:  # noqa: BLE001 - recorded with the server's state; the others go on
         alive = (srv.proc is not None and srv.proc.poll() is None
@@ -179,7 +181,7 @@ def run_one(a: Any, res: dict[str, Any], srv: Any, p: str, trace: str, chunk: in
                                              "log_tail": srv.log_tail(40)[-4000:]})
         write(a.out, res)
         log("fair", f"{trace} chunk {chunk} {p} s{seed}: FAILED {exc!r} (server alive: {alive})")
-        return
+        return alive
     wall = time.perf_counter() - t0
     row = {"trace": trace, "chunk": chunk, "policy": p, "seed": seed, "rate_req_s": rate, "requests": len(outs),
            **summarize(outs, wall, solo_fn)}
@@ -196,6 +198,7 @@ def run_one(a: Any, res: dict[str, Any], srv: Any, p: str, trace: str, chunk: in
         f"{row['ttft_short_s'].get('p90', float('nan')):.2f}; long mean "
         f"{row['ttft_long_s'].get('mean', float('nan')):.2f}; tpot {1e3 * row['tpot_s']['mean']:.1f} ms; "
         f"thr {row['throughput_req_s']:.2f} req/s {row.get('fair_sched_counters', '')}")
+    return True
 
 
 
