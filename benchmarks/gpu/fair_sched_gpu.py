@@ -230,11 +230,15 @@ def metrics(runs: list[dict[str, Any]]) -> dict[str, Any]:
                 if p != "fcfs":
                     fig["vs_fcfs"] = {k: fig[k]["mean"] / cell["fcfs"][k]["mean"] for k in fig
                                       if isinstance(fig[k], dict) and k in cell["fcfs"] and cell["fcfs"][k]["mean"] > 0}
-            if "fair_sched" in cell:
-                cell["targets"] = targets(cell)
-            variants = [p for p in cell if p.startswith("fair_sched/")]
-            if variants:
-                cell["variant_targets"] = {p: targets(cell, p) for p in variants}
+            # targets on seed means of the same seeds: a policy whose server exited on some seed is
+            # left out of the comparison (named in the tables as a server that exited)
+            full = max(fig["seeds"] for fig in cell.values())
+            whole = {p: fig for p, fig in cell.items() if fig["seeds"] == full}
+            if "fair_sched" in whole and "fcfs" in whole:
+                cell["targets"] = targets(whole)
+            variants = [p for p in whole if p.startswith("fair_sched/")]
+            if variants and "fcfs" in whole:
+                cell["variant_targets"] = {p: targets(whole, p) for p in variants}
         out[cell_key] = cell
     return out
 

@@ -66,8 +66,19 @@ def run_policy(url: str, convs: list[list[tuple[list[int], list[int]]]], a: argp
     later = [o for o in outs if o.kind != "turn0"]  # turns that have a history to hit
     d = distribution([o.ttft_s for o in later], (0.5, 0.9))
     return {"requests": len(outs), "wall_s": wall,
+            # answers shorter than asked (greedy, no stop): an aborted or refused request
+            "short_answers": sum(o.output_len < a.output_tokens for o in outs),
             "hit_rate": sum(o.cached_tokens for o in later) / max(1, sum(o.prompt_len for o in later)),
             "ttft_mean_s": d["mean"], "ttft_p50_s": d["p50"], "ttft_p90_s": d["p90"]}
+
+
+def kv_pool(url: str) -> int:
+    """The KV pool an instance got (tokens), from SGLang's /server_info."""
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/server_info", timeout=10) as r:
+        info = json.loads(r.read())
+    return int(info.get("max_total_num_tokens") or info["internal_states"][0].get("max_total_num_tokens", 0))
 
 
 def main() -> int:
@@ -82,10 +93,12 @@ def main() -> int:
     ap.add_argument("--kv-tokens", type=int, default=0, help="KV per instance (0: half the trace's histories)")
     ap.add_argument("--mem-fraction", type=float, default=0.4)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layers", type=int, default=0,
+                    help="hidden layers of the 8B-width model (0: 32); fewer leave each instance its KV on an 80 GB card")
     ap.add_argument("--cpu-dry-run", action="store_true")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
-    setup = Setup(a.cpu_dry_run)
+    setup = Setup(a.cpu_dry_run, **({"num_hidden_layers": a.layers} if a.layers else {}))
     if setup.cpu:  # the tiny model's 8K context and this CPU
         a.system_tokens, a.user_tokens, a.output_tokens = min(a.system_tokens, 512), min(a.user_tokens, 64), min(a.output_tokens, 8)
         a.conversations, a.turns, a.concurrency = min(a.conversations, 8), min(a.turns, 3), min(a.concurrency, 4)
@@ -102,6 +115,11 @@ def main() -> int:
     rows: list[dict[str, Any]] = []
     try:
         start_all(servers)
+        res["kv_pool_tokens"] = [kv_pool(s.base_url) for s in servers]
+        write(a.out, res)
+        if min(res["kv_pool_tokens"]) < kv:  # the memory fraction left less KV than the trace is sized for
+            raise SystemExit(f"router_affinity_gpu: KV pools {res['kv_pool_tokens']} < {kv} tokens asked; "
+                             "raise --mem-fraction or lower --layers")
         for pol in POLICIES:
             port = free_port()
             proc = spawn([py(), "-m", "kllm_plugins.plugins.bigpd_router.service.cli", "--port", str(port), "--policy", pol,
@@ -133,6 +151,7 @@ def main() -> int:
         rs = [r for r in rows if r["policy"] == pol]
         if rs:
             metrics[pol] = {k: spread([r[k] for r in rs]) for k in ("hit_rate", "ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "wall_s")}
+            metrics[pol]["short_answers"] = sum(r["short_answers"] for r in rs)
     pairs = [({r["policy"]: r for r in rows if r["repeat"] == k}) for k in range(a.repeats)]
     pairs = [p for p in pairs if len(p) == 2]
     if pairs:  # repeats interleave the policies: paired ratios
