@@ -104,7 +104,9 @@ def gpu_table(folder: Path = RESULTS) -> str:
                 continue
             layers = s.get("layers", 32)
             gpu = d["machine"]["gpu"].replace("NVIDIA ", "").split()[0] + ("" if layers == 32 else f", {layers} layers")
-            died = sorted({e["policy"] for e in d.get("errors") or [] if str(e["chunk"]) == chunk})
+            # a run's failure names its trace; a warm-up failure (no trace) leaves the server out of every trace
+            died = sorted({e["policy"] for e in d.get("errors") or []
+                           if str(e["chunk"]) == chunk and e.get("trace", trace) == trace})
             stock_tpot = " / ".join(f"{cell[p]['vs_fcfs']['tpot_s_mean']:.2f}" if p in cell else "-"
                                     for p in ("shortest-prefill-first", "hrrn"))
             for ours, t in [("fair_sched", cell["targets"]), *sorted(cell.get("variant_targets", {}).items())]:
