@@ -12,7 +12,7 @@ KV limit (no chunk guard) save in the two `KV pool` columns (the cell's pool, `s
 ratios to fcfs on that pool), and no prefix cache (lpm equals fcfs).
 
     python benchmarks/fair_sched/sim_gpu_replay.py --seeds 20      # run, record, print
-    python benchmarks/fair_sched/sim_gpu_replay.py --write-doc      # table in docs/fair_sched.md
+    python benchmarks/fair_sched/sim_gpu_replay.py --write-doc      # table in docs/fair_sched_studies.md
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from kllm_plugins.bench.record import build_summary  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results" / "fair_sched"
 OUT = RESULTS / "sim_gpu_replay.json"
-DOC = ROOT / "docs" / "fair_sched.md"
+DOC = ROOT / "docs" / "fair_sched_studies.md"
 POLICIES = ("fcfs", "shortest-prefill-first", "hrrn", "fair_sched")
 TARGETS = tuple(t[0] for t in targets.TARGETS)
 DECODE_SHARES = (0.0, 0.04, 0.1, 0.3)
@@ -180,8 +180,8 @@ def render(text: str, summary: dict[str, Any]) -> str:
     from kllm_plugins.plugin_docs import replace_generated
 
     cmd = "python benchmarks/fair_sched/sim_gpu_replay.py --write-doc"
-    text = replace_generated(text, "sim-gpu-replay", table(summary), cmd, "docs/fair_sched.md")
-    return replace_generated(text, "sim-gpu-trade", trade_table(summary), cmd, "docs/fair_sched.md")
+    text = replace_generated(text, "sim-gpu-replay", table(summary), cmd, "docs/fair_sched_studies.md")
+    return replace_generated(text, "sim-gpu-trade", trade_table(summary), cmd, "docs/fair_sched_studies.md")
 
 
 def main() -> int:

@@ -5,7 +5,7 @@ settings run the same traces and seeds; the summary holds, per cell, fair_sched'
 each setting and whether all held, and the docs table is generated from it.
 
     python benchmarks/fair_sched/sim_max_partial.py --seeds 10            # run, record, print
-    python benchmarks/fair_sched/sim_max_partial.py --write-doc           # table in docs/fair_sched.md
+    python benchmarks/fair_sched/sim_max_partial.py --write-doc           # table in docs/fair_sched_studies.md
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from kllm_plugins.bench.record import build_summary  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "benchmarks" / "results" / "fair_sched" / "sim_max_partial.json"
-DOC = ROOT / "docs" / "fair_sched.md"
+DOC = ROOT / "docs" / "fair_sched_studies.md"
 SCALES = (("cpu", "", 128), ("cpu", "", 512), ("production", "h200", 2048), ("production", "h200", 8192))
 SETTINGS = (1, 2)
 TARGETS = tuple(t[0] for t in targets.TARGETS)
@@ -68,7 +68,7 @@ def render(text: str, summary: dict[str, Any]) -> str:
     from kllm_plugins.plugin_docs import replace_generated
 
     return replace_generated(text, "sim-max-partial", table(summary),
-                             "python benchmarks/fair_sched/sim_max_partial.py --write-doc", "docs/fair_sched.md")
+                             "python benchmarks/fair_sched/sim_max_partial.py --write-doc", "docs/fair_sched_studies.md")
 
 
 def main() -> int:

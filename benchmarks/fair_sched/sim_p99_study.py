@@ -45,7 +45,7 @@ WEIGHTS = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 512.0, 4096.0, 1e6)
 SIZES = (120, 400)
 CHUNK = 128
 LONG = 8 * CHUNK  # "long" prompt: over 8 chunks (as grid.py)
-DOC = Path(__file__).resolve().parents[2] / "docs" / "fair_sched.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "fair_sched_studies.md"
 
 
 def subset_ratios(ours: list[float], base: list[float], k: int = 3) -> list[float]:
@@ -189,7 +189,7 @@ def doc_table(doc: dict[str, Any]) -> str:
 
 def render(text: str, doc: dict[str, Any]) -> str:
     return replace_generated(text, "sim-p99", doc_table(doc), "python benchmarks/fair_sched/sim_p99_study.py "
-                             "--write-doc", "docs/fair_sched.md")
+                             "--write-doc", "docs/fair_sched_studies.md")
 
 
 def main() -> None:
