@@ -448,3 +448,22 @@ def test_several_partial_prefills_let_a_short_pass_a_huge_prompt() -> None:
     assert plan_pass([huge, short], pp) == [("s", 128)]  # smaller key: it runs, the huge one waits a pass
     one_slot = PartialParams(budget_tokens=128, max_partial=1, max_long_partial=1, age_weight=8.0)
     assert plan_pass([huge, short], one_slot) == [("huge", 128)]  # SGLang's single slot: it waits
+
+
+def test_decode_cost_is_not_inflated_by_an_idle_interval() -> None:
+    # Decode steps of 0.01 s; once, the scheduler idled 2 s between a decode step and the next
+    # plan call (nothing to run), and that interval reads as one decode step.
+    pol = FairPolicy(params(decode_share=0.2))
+    now, steps, seen = 0.0, 0, []
+    for _ in range(60):
+        plan = pol.plan([], decode_running=True, now=now, running_reqs=4)
+        if pol.decode_cost_s is not None:
+            seen.append(pol.decode_cost_s)
+        if plan.action == "yield":
+            steps += 1
+            now += 2.0 if steps == 3 else 0.01
+        else:
+            pol.note_prefill()
+            now += 0.05
+    assert steps >= 6 and max(seen) < 2.0  # the idle interval was read as a step once ...
+    assert pol.decode_cost_s == pytest.approx(0.01)  # ... and does not set the estimate

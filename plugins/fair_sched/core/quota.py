@@ -49,11 +49,14 @@ Starvation bounds (property-tested in tests/unit/test_fair_sched_core.py on a si
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
 from typing import Literal, Sequence
 
 TIME_SHARE_MAX_RUN = 16
 """`decode_time_share`: most decode steps in a row between two prefill passes (keeps the pass bound)."""
+DECODE_SAMPLES = 9
+"""Measured decode steps whose median is the decode-step estimate (`FairPolicy.decode_cost_s`)."""
 
 PlanAction = Literal["admit", "run", "yield"]
 YieldTo = Literal["decode", "short", "partial"]
@@ -314,7 +317,11 @@ class FairPolicy:
         self.prefills_since_decode = 0
         """Prefill passes since the last decode (decode steps are spaced in prefill passes)."""
         self.decode_cost_s: float | None = None
-        """Moving average of a decode step's duration (with `decode_share`)."""
+        """A decode step's duration (with `decode_share`): the median of the last
+        DECODE_SAMPLES measured steps. A median, because an interval between two plan calls can
+        also hold time the scheduler spent idle or in passes it did not plan (a GPU run's moving
+        average read 6-161 ms for steps of about 6 ms)."""
+        self._decode_samples: list[float] = []
         self.last_decode_end_s = -math.inf
         self._keys: dict[str, float] = {}
         """Keys of the requests seen by the last `order` call (for `start_long`)."""
@@ -381,7 +388,8 @@ class FairPolicy:
         if self._last_plan_s is not None and kind is not None:
             took = max(now - self._last_plan_s, 0.0)
             if kind == "decode":
-                self.decode_cost_s = took if self.decode_cost_s is None else 0.8 * self.decode_cost_s + 0.2 * took
+                self._decode_samples = [*self._decode_samples[-(DECODE_SAMPLES - 1):], took]
+                self.decode_cost_s = statistics.median(self._decode_samples)
                 self.last_decode_end_s = now
             if prompts_wait:
                 self.waiting_s[kind] += took
