@@ -319,8 +319,9 @@ class FairPolicy:
         self.decode_cost_s: float | None = None
         """A decode step's duration (with `decode_share`): the median of the last
         DECODE_SAMPLES measured steps. A median, because an interval between two plan calls can
-        also hold time the scheduler spent idle or in passes it did not plan (a GPU run's moving
-        average read 6-161 ms for steps of about 6 ms)."""
+        also hold time the scheduler spent idle or in passes it did not plan (the moving average
+        this replaced read many times the step: `decode_step_ms` in
+        benchmarks/results/fair_sched/gpu_family_*_8l_h100.json)."""
         self._decode_samples: list[float] = []
         self.last_decode_end_s = -math.inf
         self._keys: dict[str, float] = {}
