@@ -55,9 +55,33 @@ def git_commit(root: Path | None = None) -> str:
     return head + ("+dirty" if dirty else "")
 
 
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+"""CPU flags that give bf16 matrix math in hardware; without them torch emulates it (the tiny
+model, bf16, prefilled about 3x slower than in float32 on such a host)."""
+
+
+def cpu_model(cpuinfo: str | None = None) -> str:
+    """`<model name>, bf16 native|emulated` from /proc/cpuinfo (empty where it cannot be read).
+    Lent hosts differ from day to day, and bf16 speed with them."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return ""
+    fields = dict(line.split(":", 1) for line in cpuinfo.splitlines()[:64] if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    name = fields.get("model name", "")
+    if not name:
+        return ""
+    flags = set(fields.get("flags", "").split())
+    return f"{name}, bf16 {'native' if flags & set(BF16_FLAGS) else 'emulated'}"
+
+
 def machine_description(shared: str | None = None) -> str:
-    """`<cores>-core <arch>, <os>`, plus what shares it (e.g. "shared 2-core, 4 helpers")."""
-    text = f"{os.cpu_count()}-core {platform.machine()}, {platform.system()}"
+    """`<cores>-core <arch> (<cpu model>, bf16 native|emulated), <os>`, plus what shares it (e.g.
+    "shared 2-core, 4 helpers")."""
+    cpu = cpu_model()
+    text = f"{os.cpu_count()}-core {platform.machine()}{f' ({cpu})' if cpu else ''}, {platform.system()}"
     return f"{text}; {shared}" if shared else text
 
 

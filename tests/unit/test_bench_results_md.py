@@ -50,3 +50,11 @@ def test_bad_summaries_are_refused(tmp_path):
     (folder / "x.json").write_text(json.dumps({"command": "c"}))
     with pytest.raises(ValueError, match="x.json: result summary lacks commit"):
         results_md.render(tmp_path)
+
+
+def test_machine_line_names_the_cpu_and_whether_it_has_bf16() -> None:
+    info = "processor\t: 0\nmodel name\t: AMD EPYC 7B13\nflags\t\t: fpu sse avx2\n"
+    assert record.cpu_model(info) == "AMD EPYC 7B13, bf16 emulated"
+    assert record.cpu_model(info.replace("avx2", "avx2 amx_bf16")) == "AMD EPYC 7B13, bf16 native"
+    assert record.cpu_model("processor\t: 0\n") == ""
+    assert "-core" in record.machine_description("shared")
