@@ -143,6 +143,8 @@ def setup_servers(name: str, store: str, args: argparse.Namespace | None, mdir: 
                   threads: int, count: int = 2, **l3_extra: Any) -> tuple[list[SGLangServer], list[str]]:
     """A setup's `count` servers (not started) sharing one L3 `store`, and their plugins."""
     extra, plugins, env = setup_args(name, store, args, mdir, **l3_extra)
+    dtype = getattr(args, "dtype", "") if args is not None else ""
+    extra = [*extra, *(("--dtype", dtype) if dtype else ())]
     servers = [SERVER_FACTORY(plugins, list(extra), {**env, **server_thread_env(threads), "KLLM_KV_TIERS_INSTANCE_ID": f"{name}-{i}"},
                               l1_tokens, f"{name}-{i}") for i in range(count)]
     return servers, plugins
@@ -479,7 +481,7 @@ def main() -> None:
     ap.add_argument("--l3-calib", default="",
                     help="calib_medium.py --out files (comma-separated) to keep with the medium in the results json")
     ap.add_argument("--dtype", default="", choices=("", "float32", "bfloat16"),
-                    help="the CPU servers' --dtype (default: the tiny model's own, bfloat16; on a host without "
+                    help="the servers' --dtype (default: the model's own; the tiny model's is bfloat16, and on a host without "
                          "native bf16, float32 prefills about 3x faster)")
     ap.add_argument("--server-threads", type=int, default=1,
                     help="OpenMP / torch threads per server (0: inherit torch's default, one per core: two "
@@ -500,9 +502,6 @@ def main() -> None:
                          "other arguments; e.g. a run that stopped after measuring)")
     ap.add_argument("--results-root", default=str(ROOT), help="write results under this folder (smoke runs)")
     args = ap.parse_args()
-    if args.dtype:
-        global SERVER_ARGS
-        SERVER_ARGS = (*SERVER_ARGS, "--dtype", args.dtype)
     args.rate_list = [float(x) for x in args.rates.split(",") if x]
     on = args.l3_latency_ms is not None or args.l3_mb_s is not None
     args.medium = ({"latency_ms": args.l3_latency_ms or 0.0, "mb_s": args.l3_mb_s or 0.0,
