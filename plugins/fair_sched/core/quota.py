@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal, Sequence
 
@@ -322,7 +323,7 @@ class FairPolicy:
         also hold time the scheduler spent idle or in passes it did not plan (the moving average
         this replaced read many times the step: `decode_step_ms` in
         benchmarks/results/fair_sched/gpu_family_*_8l_h100.json)."""
-        self._decode_samples: list[float] = []
+        self._decode_samples: deque[float] = deque(maxlen=DECODE_SAMPLES)
         self.last_decode_end_s = -math.inf
         self._keys: dict[str, float] = {}
         """Keys of the requests seen by the last `order` call (for `start_long`)."""
@@ -389,7 +390,7 @@ class FairPolicy:
         if self._last_plan_s is not None and kind is not None:
             took = max(now - self._last_plan_s, 0.0)
             if kind == "decode":
-                self._decode_samples = [*self._decode_samples[-(DECODE_SAMPLES - 1):], took]
+                self._decode_samples.append(took)
                 self.decode_cost_s = statistics.median(self._decode_samples)
                 self.last_decode_end_s = now
             if prompts_wait:
