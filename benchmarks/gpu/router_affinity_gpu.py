@@ -78,7 +78,7 @@ def kv_pool(url: str) -> int:
 
     with urllib.request.urlopen(url + "/server_info", timeout=10) as r:
         info = json.loads(r.read())
-    return int(info.get("max_total_num_tokens") or info["internal_states"][0].get("max_total_num_tokens", 0))
+    return int(info["max_total_num_tokens"])
 
 
 def main() -> int:
