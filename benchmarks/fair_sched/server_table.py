@@ -80,11 +80,18 @@ def variant_options(d: dict[str, Any], name: str) -> str:
     return "?" if env is None else options_label(env)
 
 
-def pass_timing(d: dict[str, Any], trace: str, chunk: str, policy: str) -> str:
+def _in_cell(r: dict[str, Any], trace: str, chunk: str, load: str | None) -> bool:
+    """A run (or a run's error) of that trace and chunk, and of that load where the file ran several;
+    an error without a trace (a warm-up) belongs to every trace."""
+    return (r.get("trace", trace) == trace and str(r["chunk"]) == chunk
+            and (load is None or "load" not in r or str(r["load"]) == load))
+
+
+def pass_timing(d: dict[str, Any], trace: str, chunk: str, policy: str, load: str | None = None) -> str:
     """How the policy's runs timed their passes: `lag N` as recorded (`timing_lag`, GPU drivers since
     the overlap-timing fix b5a7031), else `before fix` (each pass timed as the one before it)."""
     lags = {r["fair_sched_counters"]["timing_lag"] for r in d.get("runs", [])
-            if r.get("trace", "bursty") == trace and str(r["chunk"]) == chunk and r["policy"] == policy
+            if _in_cell({"trace": "bursty", **r}, trace, chunk, load) and r["policy"] == policy
             and "timing_lag" in r.get("fair_sched_counters", {})}
     return " / ".join(f"lag {int(v)}" for v in sorted(lags)) or "before fix"
 
@@ -94,30 +101,30 @@ def gpu_table(folder: Path = RESULTS) -> str:
     head = ["| trace | chunk | load | requests | seeds | GPU | pass timing | best stock (mean) | "
             + " | ".join(h for _, h in COLUMNS) + " | TPOT vs fcfs: SPF / hrrn | stock servers that exited |",
             "|" + "---|" * (len(COLUMNS) + 10)]
-    body: list[tuple[str, int, str]] = []
+    body: list[tuple[str, int, str, str]] = []
     for path in sorted(folder.glob("gpu_*.json")):
         d = json.loads(path.read_text(encoding="utf-8"))
         s = d["settings"]
-        for key, cell in sorted(d["metrics"].items(), key=lambda kv: (kv[0].split("@")[0], int(kv[0].split("@")[1]))):
-            trace, chunk = key.split("@")
+        for key, cell in d["metrics"].items():
+            trace, chunk, *at = key.split("@")  # `trace@chunk`, or `trace@chunk@load` where a file ran several loads
+            load = at[0] if at else None
             if "targets" not in cell:
                 continue
             layers = s.get("layers", 32)
             gpu = d["machine"]["gpu"].replace("NVIDIA ", "").split()[0] + ("" if layers == 32 else f", {layers} layers")
             # a run's failure names its trace; a warm-up failure (no trace) leaves the server out of every trace
-            died = sorted({e["policy"] for e in d.get("errors") or []
-                           if str(e["chunk"]) == chunk and e.get("trace", trace) == trace})
+            died = sorted({e["policy"] for e in d.get("errors") or [] if _in_cell(e, trace, chunk, load)})
             stock_tpot = " / ".join(f"{cell[p]['vs_fcfs']['tpot_s_mean']:.2f}" if p in cell else "-"
                                     for p in ("shortest-prefill-first", "hrrn"))
             for ours, t in [("fair_sched", cell["targets"]), *sorted(cell.get("variant_targets", {}).items())]:
                 marks = [("-" if t[k]["value"] != t[k]["value"] else f"{t[k]['value']:.2f}" + ("" if t[k]["met"] else " *"))
                          for k, _ in COLUMNS]
                 label = trace if ours == "fair_sched" else f"{trace}, {ours} ({variant_options(d, ours)})"
-                body.append((trace, int(chunk), f"| {label} | {chunk} | {s['load']} | {s['requests']} | "
-                             f"{cell[ours]['seeds']} | {gpu} | {pass_timing(d, trace, chunk, ours)} | "
+                body.append((trace, int(chunk), load or str(s["load"]), f"| {label} | {chunk} | {load or s['load']} | "
+                             f"{s['requests']} | {cell[ours]['seeds']} | {gpu} | {pass_timing(d, trace, chunk, ours, load)} | "
                              f"{t['mean <= best stock']['against']} | " + " | ".join(marks)
                              + f" | {stock_tpot} | {', '.join(died) or '-'} |"))
-    return "\n".join(head + [row for _, _, row in sorted(body)]) + "\n"
+    return "\n".join(head + [row for *_, row in sorted(body)]) + "\n"
 
 
 def render(doc_text: str, folder: Path = RESULTS) -> str:

@@ -57,8 +57,9 @@ def gpu_cells(folder: Path = RESULTS) -> list[dict[str, Any]]:
         cal = int(s.get("cal_requests") or _flag(d["command"], "--cal-requests", "24"))  # 24: the harness's default
         for key, cell in d["metrics"].items():
             if "targets" in cell:
-                trace, chunk = key.split("@")
-                out.append({"trace": trace, "chunk": int(chunk), "requests": int(s["requests"]), "load": float(s["load"]),
+                trace, chunk, *at = key.split("@")  # `trace@chunk@load` where a file ran several loads
+                out.append({"trace": trace, "chunk": int(chunk), "requests": int(s["requests"]),
+                            "load": float(at[0] if at else s["load"]),
                             "trace_chunk": int(s["trace_chunk"]), "max_prompt": int(s["max_prompt"]),
                             "out_tokens": list(s["output_tokens"]), "cal_requests": cal, "file": path.name,
                             "pool_tokens": int(s.get("pool_tokens", 57344)),

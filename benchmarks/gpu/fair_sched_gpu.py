@@ -11,7 +11,7 @@ it; each seed runs the policies in order,
 the next seed in reverse (ABBA); the prefix cache is flushed before every run. Streaming client:
 benchmarks/fair_sched/serving.py; summaries: benchmarks/fair_sched/workload.py.
 
-    python benchmarks/gpu/fair_sched_gpu.py --chunks 2048 8192 --traces bursty mooncake --requests 40 --out F.json [--cpu-dry-run]
+    python benchmarks/gpu/fair_sched_gpu.py --chunks 2048 8192 --traces bursty mooncake --requests 40 --out F.json [--loads 0.6 0.85] [--cpu-dry-run]
 
 `--variant TAG:KEY=V[,KEY=V]` adds a fair_sched server with those options (`fair_sched/TAG`), run and
 checked against the same targets beside the defaults.
@@ -67,6 +67,8 @@ def main() -> int:
     ap.add_argument("--trace-chunk", type=int, default=2048, help="the trace's lengths are in chunks of this size")
     ap.add_argument("--requests", type=int, default=40)
     ap.add_argument("--load", type=float, default=0.8)
+    ap.add_argument("--loads", type=float, nargs="+", default=None,
+                    help="several loads (fractions of the fcfs capacity), each seed run at each; overrides --load")
     ap.add_argument("--seeds", type=int, default=1)
     ap.add_argument("--cal-requests", type=int, default=24)
     ap.add_argument("--max-prompt", type=int, default=40960)
@@ -86,12 +88,13 @@ def main() -> int:
     except ValueError as exc:
         ap.error(str(exc))
     a.policies = [*a.policies, *variants]
+    loads = a.loads or [a.load]
     shape = {"num_hidden_layers": a.layers} if a.layers else {}
     setup = Setup(a.cpu_dry_run, max_positions=max(8192, a.max_prompt + 1024), **shape)
     scale = Scale(f"gpu{a.trace_chunk}", a.trace_chunk, a.max_prompt, a.out_tokens[0], a.out_tokens[1], 1 / 4, 14.0)
     res = header("benchmarks/gpu/fair_sched_gpu.py", "python " + " ".join(sys.argv), setup,
                  {"traces": a.traces, "variants": a.variant, "layers": a.layers or 32, "trace_chunk": a.trace_chunk, "max_prompt": a.max_prompt, "requests": a.requests,
-                  "load": a.load, "seeds": a.seeds, "chunks": a.chunks, "policies": a.policies, "cal_requests": a.cal_requests,
+                  "load": loads[0] if len(loads) == 1 else loads, "seeds": a.seeds, "chunks": a.chunks, "policies": a.policies, "cal_requests": a.cal_requests,
                   "pool_tokens": a.pool_tokens, "output_tokens": a.out_tokens,
                   "long": f">= 8 x {a.trace_chunk} prompt tokens"})
     res["runs"], res["calibration"] = [], {}
@@ -150,12 +153,16 @@ def main() -> int:
                 res["calibration"][f"{trace}@{chunk}"] = {"capacity_req_s": capacity,
                                                           "solo_long_ttft_s": {str(k): v for k, v in solo.items()}}
                 log("fair", f"{trace} chunk {chunk}: capacity {capacity:.2f} req/s, solo long TTFT {solo}")
+                turn = 0
                 for seed in range(a.seeds):
                     reqs = make(trace, scale, a.requests, seed)
-                    order = list(a.policies) if seed % 2 == 0 else list(a.policies)[::-1]
-                    for p in [p for p in order if p in servers]:
-                        if not run_one(a, res, servers[p], p, trace, chunk, seed, reqs, a.load * capacity, solo_fn, t_start):
-                            servers.pop(p).stop()  # it exited: left out of the later runs, its error recorded
+                    for load in loads:
+                        order = list(a.policies) if turn % 2 == 0 else list(a.policies)[::-1]
+                        turn += 1
+                        for p in [p for p in order if p in servers]:
+                            if not run_one(a, res, servers[p], p, trace, chunk, seed, reqs, load * capacity, solo_fn,
+                                           t_start, load if len(loads) > 1 else None):
+                                servers.pop(p).stop()  # it exited: left out of the later runs, its error recorded
         finally:
             for srv in servers.values():
                 srv.stop()
@@ -165,9 +172,11 @@ def main() -> int:
 
 
 def run_one(a: Any, res: dict[str, Any], srv: Any, p: str, trace: str, chunk: int, seed: int, reqs: list[Any],
-            rate: float, solo_fn: Any, t_start: float) -> bool:
-    """One policy's run of one seed of one trace; a failure is recorded with the server's state.
+            rate: float, solo_fn: Any, t_start: float, load: float | None = None) -> bool:
+    """One policy's run of one seed of one trace (at `load` when the driver runs several, recorded
+    in the row); a failure is recorded with the server's state.
     Returns False when the server has exited (stock SGLang's chunk overcommit can end it)."""
+    at = {} if load is None else {"load": load}
     try:
         flush(srv)
         before = fair_totals(srv, COUNTERS) if is_fair(p) else {}
@@ -176,14 +185,14 @@ def run_one(a: Any, res: dict[str, Any], srv: Any, p: str, trace: str, chunk: in
     except Exception as exc:  # noqa: BLE001 - recorded with the server's state; the others go on
         alive = (srv.proc is not None and srv.proc.poll() is None
                  and not srv.grep_log(r"Scheduler hit an exception|SIGQUIT received"))
-        res.setdefault("errors", []).append({"trace": trace, "chunk": chunk, "policy": p, "seed": seed,
+        res.setdefault("errors", []).append({"trace": trace, "chunk": chunk, **at, "policy": p, "seed": seed,
                                              "error": repr(exc)[:500], "server_alive": alive,
                                              "log_tail": srv.log_tail(40)[-4000:]})
         write(a.out, res)
         log("fair", f"{trace} chunk {chunk} {p} s{seed}: FAILED {exc!r} (server alive: {alive})")
         return alive
     wall = time.perf_counter() - t0
-    row = {"trace": trace, "chunk": chunk, "policy": p, "seed": seed, "rate_req_s": rate, "requests": len(outs),
+    row = {"trace": trace, "chunk": chunk, **at, "policy": p, "seed": seed, "rate_req_s": rate, "requests": len(outs),
            **summarize(outs, wall, solo_fn)}
     if before:
         after = fair_totals(srv, (*COUNTERS, *GAUGES))
@@ -193,7 +202,8 @@ def run_one(a: Any, res: dict[str, Any], srv: Any, p: str, trace: str, chunk: in
     res["runs"].append(row)
     res["metrics"] = metrics(res["runs"])
     write(a.out, res)
-    log("fair", f"[{time.perf_counter() - t_start:.0f}s] {trace} chunk {chunk} {p} s{seed}: ttft mean "
+    log("fair", f"[{time.perf_counter() - t_start:.0f}s] {trace} chunk {chunk}{f' load {load}' if at else ''} {p} "
+        f"s{seed}: ttft mean "
         f"{row['ttft_s']['mean']:.2f} p90 {row['ttft_s']['p90']:.2f} p99 {row['ttft_s']['p99']:.2f}; short p90 "
         f"{row['ttft_short_s'].get('p90', float('nan')):.2f}; long mean "
         f"{row['ttft_long_s'].get('mean', float('nan')):.2f}; tpot {1e3 * row['tpot_s']['mean']:.1f} ms; "
@@ -202,17 +212,22 @@ def run_one(a: Any, res: dict[str, Any], srv: Any, p: str, trace: str, chunk: in
 
 
 
+def cell_key(r: dict[str, Any]) -> str:
+    """`trace@chunk`, or `trace@chunk@load` for a run of a driver that ran several loads."""
+    return f"{r.get('trace', 'bursty')}@{r['chunk']}" + (f"@{r['load']}" if "load" in r else "")
+
+
 def metrics(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per `trace@chunk` and policy: the mean over seeds of each figure (min/max beside), its ratio
+    """Per cell (`cell_key`) and policy: the mean over seeds of each figure (min/max beside), its ratio
     to fcfs (below 1 is better for TTFT and TPOT), and fair_sched's targets of issue 27 on seed
     means (mean and short P90 against the best stock policy, the rest against fcfs)."""
     import statistics
 
     out: dict[str, Any] = {}
-    for cell_key in sorted({f"{r.get('trace', 'bursty')}@{r['chunk']}" for r in runs}):
+    for ck in sorted({cell_key(r) for r in runs}):
         cell: dict[str, Any] = {}
         for p in dict.fromkeys(r["policy"] for r in runs):
-            rs = [r for r in runs if f"{r.get('trace', 'bursty')}@{r['chunk']}" == cell_key and r["policy"] == p]
+            rs = [r for r in runs if cell_key(r) == ck and r["policy"] == p]
             if not rs:
                 continue
             fig: dict[str, Any] = {"seeds": len(rs)}
@@ -239,7 +254,7 @@ def metrics(runs: list[dict[str, Any]]) -> dict[str, Any]:
             variants = [p for p in whole if p.startswith("fair_sched/")]
             if variants and "fcfs" in whole:
                 cell["variant_targets"] = {p: targets(whole, p) for p in variants}
-        out[cell_key] = cell
+        out[ck] = cell
     return out
 
 

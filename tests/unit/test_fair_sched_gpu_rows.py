@@ -93,3 +93,24 @@ def test_a_stock_policy_whose_server_exited_on_a_seed_is_left_out_of_the_targets
     t = g.metrics(runs)["t@2048"]["targets"]
     # against seed 0 alone SPF (0.5) would look best; on the seeds all ran hrrn (3.0) is
     assert t["mean <= best stock"]["against"] == "hrrn" and t["mean <= best stock"]["value"] == pytest.approx(1.0)
+
+
+def test_a_file_with_several_loads_gets_one_cell_and_one_row_per_load(
+        bench_module: Callable[[str, str], ModuleType], tmp_path: Path) -> None:
+    g = bench_module("gpu", "fair_sched_gpu")
+    st = bench_module("fair_sched", "server_table")
+    runs = []
+    for load, fair in ((0.6, 3.0), (0.85, 5.0)):  # fair_sched meets the mean at 0.6 only
+        for p, m in (("fcfs", 4.0), ("hrrn", 4.0), ("fair_sched", fair)):
+            runs.append({**_run("a", 2048, p, 0, m, m), "load": load})
+    m = g.metrics(runs)
+    assert set(m) == {"a@2048@0.6", "a@2048@0.85"}
+    assert m["a@2048@0.6"]["targets"]["mean <= best stock"]["met"]
+    assert not m["a@2048@0.85"]["targets"]["mean <= best stock"]["met"]
+    doc = {"settings": {"load": [0.6, 0.85], "requests": 30}, "machine": {"gpu": "NVIDIA H100 80GB HBM3"},
+           "metrics": m, "runs": runs,
+           "errors": [{"chunk": 2048, "trace": "a", "load": 0.85, "policy": "lpm", "seed": 0, "error": "x"}]}
+    (tmp_path / "gpu_loads.json").write_text(json.dumps(doc))
+    rows = [ln.split(" | ") for ln in st.gpu_table(tmp_path).splitlines()[2:]]
+    assert [(r[2], r[8]) for r in rows] == [("0.6", "0.75"), ("0.85", "1.25 *")]
+    assert rows[0][-1] == "- |" and rows[1][-1] == "lpm |"  # the exited server named at its load only
