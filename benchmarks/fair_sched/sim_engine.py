@@ -225,7 +225,9 @@ class FairSingle:
             c = self.suspended.pop(back.rid) if back is not None else None
             if c is not None:
                 e.partial.append(c)
-        plan = pol.plan(items, bool(e.running), now=e.seen_t, running_reqs=len(e.running))
+        # mixed chunk: the decode rows take one budget token each, and the policy plans on what is left
+        budget = max(e.chunk - len(e.running), 1) if self.mixed else e.chunk
+        plan = pol.plan(items, bool(e.running), budget if self.mixed else None, now=e.seen_t, running_reqs=len(e.running))
         if plan.action == "yield" and plan.yield_to == "decode":
             return None
         suspending = plan.action == "yield" and plan.yield_to == "partial"
@@ -237,7 +239,6 @@ class FairSingle:
         if plan.action == "admit":
             plan = None
         rows: list[tuple[Req, int]] = []
-        budget = max(e.chunk - len(e.running), 1) if self.mixed else e.chunk
         parked = plan is not None and plan.action == "yield" and not suspending
         # with requests suspended, a new partial prefill starts only on the pass planned for it
         slot_free = c is None and (suspending or not self.suspended)

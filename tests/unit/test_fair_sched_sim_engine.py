@@ -80,3 +80,25 @@ def test_a_kv_pool_holds_prefill_to_the_free_tokens(bench_module: Callable[[str,
     # the shorts behind the long prompt wait for its KV to be freed (it finished), not only for its chunks
     assert min(r.first_s for r in tight[1:]) >= tight[0].finish_s
     assert min(r.first_s for r in free[1:]) < free[0].finish_s
+
+
+def test_with_mixed_decode_the_policy_plans_on_the_budget_the_decode_rows_leave(
+        bench_module: Callable[[str, str], ModuleType]) -> None:
+    """SGLang's mixed chunk takes one budget token per decode row; the policy must cut the long
+    chunk for a rider on that smaller budget (as the adapter passes it), or the rider misses by the
+    decode rows and the pass runs a cut-down chunk alone, pass after pass."""
+    se = bench_module("fair_sched", "sim_engine")
+    tr = bench_module("fair_sched", "traces")
+    grid = bench_module("fair_sched", "grid")
+    # a long prompt prefilling; two shorts decoding beside it; then a rider of 300 tokens
+    trace = [tr.TraceRequest(0.0, 3000, 4, ()), tr.TraceRequest(0.0, 60, 40, ()), tr.TraceRequest(0.0, 60, 40, ()),
+             tr.TraceRequest(0.2, 300, 4, ())]
+    passes = {}
+    for mixed in (False, True):
+        pol = se.make_policy("fair_sched", 512, grid.config_from([f"mixed_decode={int(mixed)}"]))
+        reqs = se.simulate(trace, 1.0, pol, 512, se.COSTS["cpu"])
+        assert all(r.done == r.work and r.tokens == r.out for r in reqs)
+        rider, long_ = reqs[3], reqs[0]
+        assert rider.first_s < long_.first_s  # it rode, either way
+        passes[mixed] = rider.start_pass
+    assert passes[True] == passes[False]  # joined on its first pass with decode rows in it too
