@@ -39,29 +39,16 @@ from typing import Any
 from kllm_plugins.bench import stats
 from kllm_plugins.bench.record import record
 from kllm_plugins.plugins.kv_tiers.testing import flush
-from kllm_plugins.testing.sglang_server import SGLangServer, start_all
+from kllm_plugins.testing.sglang_server import start_all
 
 sys.path.insert(0, str(Path(__file__).parent))
 import bench_tiers  # noqa: E402
 from bench_report import SHARED  # noqa: E402
+from profile_long import scheduler_pid, thread_cpu  # noqa: E402
 from replay import assign, measure, replay_serial  # noqa: E402
 
-TICK = os.sysconf("SC_CLK_TCK")
 THREADS = {"MainThread": "scheduler", "backup_thread_func": "l3_backup", "prefetch_io_aux_func": "l3_read",
            "prefetch_thread_func": "l3_lookup"}
-
-
-def scheduler_pids(server: SGLangServer) -> list[int]:
-    """The scheduler processes under a server (its process group)."""
-    assert server.proc is not None
-    out = []
-    for p in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if os.getpgid(int(p)) == server.proc.pid and open(f"/proc/{p}/comm").read().startswith("sglang::sched"):
-                out.append(int(p))
-        except OSError:
-            continue
-    return out
 
 
 def thread_names(pid: int) -> dict[int, str]:
@@ -81,18 +68,6 @@ def label(name: str) -> str:
     return name
 
 
-def thread_cpu(pid: int) -> dict[int, float]:
-    """CPU seconds (user + system) of each thread of `pid`."""
-    out = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            fields = open(f"/proc/{pid}/task/{tid}/stat").read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        out[int(tid)] = (int(fields[11]) + int(fields[12])) / TICK
-    return out
-
-
 def tier_of(r: dict[str, Any]) -> str:
     return "miss" if r["cached"] == 0 else "l3" if r["l3"] else "l2" if r["l2"] else "l1"
 
@@ -106,17 +81,17 @@ def one_cell(name: str, rep: int, trace: list[dict[str, Any]], args: argparse.Na
         start_all(servers)
         warm = trace[: args.warmup]
         replay_serial(urls, warm, assign(len(warm), 2, args.seed), 0)
-        pids = [scheduler_pids(s) for s in servers]
+        pids = [scheduler_pid(s) for s in servers]
         for s in servers:
             flush(s.base_url)
         time.sleep(0.5)
-        before = [{t: c for p in ps for t, c in thread_cpu(p).items()} for ps in pids]
+        before = [thread_cpu(p) for p in pids]
         kv0 = bench_tiers.kept_stats(servers) if plugins else None
         res, makespan = replay_serial(urls, trace, assign(len(trace), 2, args.seed), (1 + rep) * bench_tiers.SPACE)
         time.sleep(0.6)  # stats snapshots are written every 0.5 s
-        after = [{t: c for p in ps for t, c in thread_cpu(p).items()} for ps in pids]
+        after = [thread_cpu(p) for p in pids]
         kv1 = bench_tiers.kept_stats(servers) if plugins else None
-        names = {tid: label(n) for ps in pids for p in ps for tid, n in thread_names(p).items()}
+        names = {tid: label(n) for p in pids for tid, n in thread_names(p).items()}
     finally:
         for s in servers:
             s.stop()
