@@ -279,4 +279,17 @@ def test_pd_mode_over_mooncake_tcp_matches_reference(pd_pair: list[SGLangServer]
                                                               "sampling_params": {"max_new_tokens": 2}})
             assert st in (502, 503) and json.loads(body)["error"]["message"]
 
-    asyncio.run(go())
+    try:
+        asyncio.run(go())
+    except AssertionError as exc:  # the servers' side of a failure, for a CI log without the files
+        raise AssertionError(f"{exc}\n{pd_log_excerpt(prefill, decode)}") from None
+
+
+def pd_log_excerpt(*servers: SGLangServer) -> str:
+    """The lines of the servers' logs that tell a failed handshake or role switch apart."""
+    rx = r"role switch|leak|handshake|[Tt]ransfer|[Bb]ootstrap|Abort|abort|Error|Traceback|exit|crash|timed? ?out"
+    parts = []
+    for srv in servers:
+        lines = [ln[:300] for ln in srv.grep_log(rx) if "server_args=" not in ln]
+        parts.append(f"--- {srv.base_url} ({len(lines)} matching lines, last 40):\n" + "\n".join(lines[-40:]))
+    return "\n".join(parts)
