@@ -135,11 +135,16 @@ class Engine:
     SGLang admission: no reservation for running requests' future tokens, no retraction)."""
 
 
+def _kv_held(e: Engine, held: list[Req]) -> int:
+    """KV tokens held by partial, set-aside (`held`) and running requests."""
+    return sum(r.done for r in e.partial + held) + sum(r.work + r.tokens for r in e.running)
+
+
 def _fit_kv(e: Engine, rows: list[tuple[Req, int]], held: list[Req]) -> list[tuple[Req, int]]:
     """The rows of a pass that the KV pool holds (see `Engine.pool`); `held`: requests set aside."""
     if e.pool is None:
         return rows
-    free = e.pool - sum(r.done for r in e.partial + held) - sum(r.work + r.tokens for r in e.running)
+    free = e.pool - _kv_held(e, held)
     out = []
     for r, k in rows:
         if k <= free:
@@ -204,13 +209,15 @@ def plan_stock(e: Engine, policy: str) -> list[tuple[Req, int]]:
 class FairSingle:
     """The plugin's FairPolicy on SGLang's single partial slot (what the adapter does)."""
 
-    def __init__(self, params: QuotaParams, mixed: bool = False) -> None:
+    def __init__(self, params: QuotaParams, mixed: bool = False, kv_low_watermark: float = 1.0) -> None:
         self.pol = FairPolicy(params)
         self.suspended: dict[str, Req] = {}
         """Partially prefilled requests set aside (`max_partial_prefills` > 1), by rid."""
         self.mixed = mixed
         """SGLang's mixed chunk (`mixed_decode`): running requests decode one token in every
         prefill pass, each taking one token of the pass budget."""
+        self.kv_low_watermark = kv_low_watermark
+        """KV usage (of `Engine.pool`) from which no partial request is suspended, as in the adapter."""
 
     def plan(self, e: Engine) -> list[tuple[Req, int]] | None:
         pol, p = self.pol, self.pol.params
@@ -227,7 +234,11 @@ class FairSingle:
                 e.partial.append(c)
         # mixed chunk: the decode rows take one budget token each, and the policy plans on what is left
         budget = max(e.chunk - len(e.running), 1) if self.mixed else e.chunk
-        plan = pol.plan(items, bool(e.running), budget if self.mixed else None, now=e.seen_t, running_reqs=len(e.running))
+        # as the adapter: nothing is suspended once KV usage reaches the low watermark, nor for a
+        # newcomer whose whole prompt would take it past (a suspended request keeps its KV)
+        room = None if e.pool is None else int(self.kv_low_watermark * e.pool) - _kv_held(e, list(self.suspended.values()))
+        plan = pol.plan(items, bool(e.running), budget if self.mixed else None, now=e.seen_t,
+                        running_reqs=len(e.running), suspend_ok=room is None or room > 0, suspend_room=room)
         if plan.action == "yield" and plan.yield_to == "decode":
             return None
         suspending = plan.action == "yield" and plan.yield_to == "partial"
@@ -247,7 +258,9 @@ class FairSingle:
             take = min(c.rem, cap)
             rows.append((c, take))
             budget -= take
-            slot_free = take == c.rem
+            # as the adapter (_refuse_second_truncation): while a request is suspended, none is
+            # truncated into a new partial prefill, not even where this one ends in the pass
+            slot_free = take == c.rem and not self.suspended
         if plan is not None:
             budget += plan.extra_tokens
         order = [by_id[items[i].rid] for i in pol.order(items)]
@@ -297,7 +310,7 @@ def make_policy(name: str, chunk: int, cfg: FairSchedConfig, max_partial: int = 
         return name
     qp = cfg.quota_params(chunk)
     if name == "fair_sched":
-        return FairSingle(qp, cfg.mixed_decode)
+        return FairSingle(qp, cfg.mixed_decode, cfg.kv_low_watermark)
     pp = PartialParams(chunk, qp.short_extra_tokens, max_partial, 1, 0, qp.age_weight)
     return FairMulti(pp, qp)
 

@@ -117,6 +117,19 @@ def test_a_larger_earlier_key_request_suspends_the_partial_one_within_the_caps()
     assert one.plan(medium, decode_running=False).action == "run"
 
 
+def test_no_suspension_for_a_newcomer_whose_prompt_the_kv_room_cannot_hold() -> None:
+    """The newcomer must fit whole beside the suspended request's KV: half-prefilled with no KV
+    left, neither it nor the suspended request could go on (a stall the simulation found)."""
+    medium = [WaitingItem("m", 500, 0, 0)]  # larger than a whole pass (128)
+    for room, suspends in ((499, False), (500, True), (None, True)):
+        pol = FairPolicy(params(short_extra_tokens=0, age_weight=1.0, max_partial=2))
+        pol.start_long("L", 3000, key=3000.0)
+        pol.record_run("L", 128)
+        plan = pol.plan(medium, decode_running=False, suspend_room=room)
+        assert (plan.yield_to == "partial") is suspends, room
+        assert [x.rid for x in pol.suspended] == (["L"] if suspends else [])
+
+
 def test_a_suspended_request_that_leaves_is_forgotten() -> None:
     pol = FairPolicy(params(short_extra_tokens=0, age_weight=1.0, max_partial=2))
     pol.start_long("L", 3000, key=3000.0)

@@ -102,3 +102,39 @@ def test_with_mixed_decode_the_policy_plans_on_the_budget_the_decode_rows_leave(
         assert rider.first_s < long_.first_s  # it rode, either way
         passes[mixed] = rider.start_pass
     assert passes[True] == passes[False]  # joined on its first pass with decode rows in it too
+
+
+def test_with_a_request_suspended_no_other_starts_a_partial_prefill(
+        bench_module: Callable[[str, str], ModuleType]) -> None:
+    """As the adapter refuses a second truncation while a request is suspended, the simulation starts
+    no new partial prefill then, not even in the pass where the current one ends; with a KV pool it
+    used to, and on `bursty` at 0.85 of capacity a prompt then stalled half-prefilled beside the
+    suspended request's KV (the run raised "stuck")."""
+    se = bench_module("fair_sched", "sim_engine")
+    tr = bench_module("fair_sched", "traces")
+    grid = bench_module("fair_sched", "grid")
+    env = ["age_weight=32", "decode_share=0", "decode_time_share=0.35", "long_min_share=0.1", "max_partial_prefills=2"]
+    scale = tr.Scale("gpu2048", 2048, 40960, 32, 128, 1 / 4, 14.0)
+    cm, pool = se.COSTS["h100_8l"], 57344
+    rate = 0.85 * se.capacity(tr.make("bursty", scale, 16, 99), 2048, cm, pool_tokens=pool)
+    suspensions = 0
+    for seed in range(3):
+        pol = se.make_policy("fair_sched", 2048, grid.config_from(env))
+        pol.pol.timing_lag = 1
+        plan = pol.plan
+
+        def checked(e: object, plan: Callable = plan, pol: object = pol) -> object:
+            nonlocal suspensions
+            before_partial, before_susp = {r.rid for r in e.partial}, set(pol.suspended)
+            rows = plan(e)
+            if set(pol.suspended) - before_susp:
+                suspensions += 1
+            elif pol.suspended and rows:
+                started = [r.rid for r, k in rows if r.rid not in before_partial and k < r.rem]
+                assert not started, f"seed {seed}: {started} started a partial prefill beside {set(pol.suspended)}"
+            return rows
+
+        pol.plan = checked
+        reqs = se.simulate(tr.make("bursty", scale, 30, seed), rate, pol, 2048, cm, seed, overlap=True, pool_tokens=pool)
+        assert all(r.done == r.work and r.tokens == r.out for r in reqs)
+    assert suspensions > 0  # the case is exercised
