@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import signal
+import warnings
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterator
 
@@ -154,11 +155,8 @@ def mooncake_usable() -> str | None:
     return None
 
 
-@pytest.fixture
-def pd_pair(tiny_model_path: Path) -> Iterator[list[SGLangServer]]:
-    reason = mooncake_usable()
-    if reason:
-        pytest.skip(reason)
+def start_pd_pair(tiny_model_path: Path) -> list[SGLangServer]:
+    """A prefill and a decode server that can swap roles, started and healthy."""
     env = {"MOONCAKE_PROTOCOL": "tcp", "MC_FORCE_TCP": "1",
            "KLLM_EXTRA_PLUGINS": "kllm_plugins.plugins.bigpd_router.hookimpls",
            # After a prefill -> decode /pd_role_switch, SGLang 0.5.23's idle invariant check on the
@@ -179,10 +177,20 @@ def pd_pair(tiny_model_path: Path) -> Iterator[list[SGLangServer]]:
     decode = SGLangServer(tiny_model_path, plugins=["bigpd_router"], env=env, max_total_tokens=4096, extra_args=[
         *common, "--disaggregation-mode", "decode", "--disaggregation-bootstrap-port", PORT_PLACEHOLDER])
     start_all([prefill, decode])
+    return [prefill, decode]
+
+
+@pytest.fixture
+def pd_pair(tiny_model_path: Path) -> Iterator[list[SGLangServer]]:
+    """A started pair in a list the test may swap for a fresh one; whatever it holds is stopped."""
+    reason = mooncake_usable()
+    if reason:
+        pytest.skip(reason)
+    pair = start_pd_pair(tiny_model_path)
     try:
-        yield [prefill, decode]
+        yield pair
     finally:
-        for s in (prefill, decode):
+        for s in pair:
             s.stop()
 
 
@@ -208,11 +216,30 @@ def hf_greedy(model_path: Path, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+class PostSwitchStall(AssertionError):
+    """The first pair after the role swap sent no first token within the router's timeout (both of
+    its attempts): seen once in CI (2026-12-06), not reproduced here in 11 runs (4 of them beside
+    three busy loops); the servers' side of it is in the message."""
+
+
 def test_pd_mode_over_mooncake_tcp_matches_reference(pd_pair: list[SGLangServer], tiny_model_path: Path) -> None:
-    prefill, decode = pd_pair
-    assert prefill.grep_log(r"hooks applied (\d+)/\1")  # the CPU shim for Mooncake attached
     prompt = [(i * 37) % 4000 + 10 for i in range(150)]
     want = hf_greedy(tiny_model_path, prompt, 8)
+    try:
+        pd_scenario(pd_pair, tiny_model_path, prompt, want)
+    except PostSwitchStall as exc:
+        # One rerun on fresh servers for that stall only, said as a warning; any failure of the
+        # rerun, the same stall included, fails the test.
+        warnings.warn(f"PD pair stalled after the role swap; rerunning on a fresh pair:\n{exc}", stacklevel=1)
+        for srv in pd_pair:
+            srv.stop()
+        pd_pair[:] = start_pd_pair(tiny_model_path)
+        pd_scenario(pd_pair, tiny_model_path, prompt, want)
+
+
+def pd_scenario(pair: list[SGLangServer], tiny_model_path: Path, prompt: list[int], want: list[int]) -> None:
+    prefill, decode = pair
+    assert prefill.grep_log(r"hooks applied (\d+)/\1")  # the CPU shim for Mooncake attached
     # the controller only carries out drains and role switches here (scale_interval_s=0: no scaling
     # decisions); its actuator is used for SGLang's /pd_role_switch only
     cfg = RouterConfig(health_interval_s=1.0, loads_interval_s=1.0, first_token_timeout_s=60, scale_interval_s=0,
@@ -248,6 +275,8 @@ def test_pd_mode_over_mooncake_tcp_matches_reference(pd_pair: list[SGLangServer]
             for attempt in range(2):
                 st, body, inst = await post(s, rurl + "/generate", {
                     "input_ids": prompt, "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
+                if st == 504 and b"no first token in time" in body:
+                    raise PostSwitchStall(body.decode(errors="replace"))
                 assert st == 200, body
                 assert inst == prefill.base_url  # the old prefill server decodes now
                 assert json.loads(body)["output_ids"] == want
@@ -282,7 +311,7 @@ def test_pd_mode_over_mooncake_tcp_matches_reference(pd_pair: list[SGLangServer]
     try:
         asyncio.run(go())
     except AssertionError as exc:  # the servers' side of a failure, for a CI log without the files
-        raise AssertionError(f"{exc}\n{pd_log_excerpt(prefill, decode)}") from None
+        raise type(exc)(f"{exc}\n{pd_log_excerpt(prefill, decode)}") from None
 
 
 def pd_log_excerpt(*servers: SGLangServer) -> str:
