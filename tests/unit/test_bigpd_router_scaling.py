@@ -271,6 +271,24 @@ def test_local_actuator_sends_the_graph_headroom_on_a_switch_to_decode() -> None
     asyncio.run(asyncio.wait_for(go(), 30))
 
 
+def test_local_actuator_retries_a_switch_refused_while_the_instance_is_not_idle() -> None:
+    """The router's drain covers only its own requests: SGLang may still hold a health check or a
+    finishing stream, refuse the flip as not idle (nothing torn down) and take it once idle."""
+    fb = FakeBackend(role="decode", pd_role_switch=True, running=1)
+    act = LocalProcessActuator("unused", role_switch=True, switch_retry_s=0.05)
+
+    async def go() -> None:
+        async with serve(fb.app()) as url:
+            # still busy when the time is up: refused, role kept
+            assert not await asyncio.to_thread(act.switch, url, Role.DECODE, Role.PREFILL, 0.3)
+            assert fb.role == "decode"
+            asyncio.get_running_loop().call_later(0.3, setattr, fb, "running", 0)
+            assert await asyncio.to_thread(act.switch, url, Role.DECODE, Role.PREFILL, 10.0)
+            assert fb.role == "prefill"
+
+    asyncio.run(asyncio.wait_for(go(), 30))
+
+
 def test_instances_registered_at_start_up_are_not_mistaken_for_an_empty_pool() -> None:
     """The scaling loop waits one period before deciding: instances given on the command line are
     registered just after the loops start, and an empty pool would look below its minimum."""

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
@@ -53,6 +54,8 @@ class LocalProcessActuator:
     required before it captures decode CUDA graphs; SGLang refuses a flip to decode of an instance
     without captured graphs unless it is given). 0 checks nothing, which is right on CPU (no
     graphs); on GPUs give a measured footprint. None: not sent."""
+    switch_retry_s: float = 0.5
+    """Wait between tries of a role switch that SGLang refused because the instance was not idle."""
     stamp_log: bool = False
     """With log_dir: prefix every line of an instance's log with the wall-clock time it was read
     (time.time(), ms), so a start-up can be broken down below SGLang's one-second log stamps."""
@@ -115,13 +118,28 @@ class LocalProcessActuator:
             body["decode_cuda_graph_memory_gb"] = self.decode_graph_memory_gb
         req = urllib.request.Request(url + "/pd_role_switch", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"}, method="POST")
-        try:
-            with urllib.request.urlopen(req, timeout=timeout_s) as r:
-                ok = r.status == 200
-        except OSError as exc:
-            log.warning("role switch of %s refused: %s", url, exc)
-            return False
-        log.info("switched instance url=%s %s->%s ok=%s", url, old.value, new.value, ok)
+        deadline = time.monotonic() + timeout_s
+        tries = 0
+        while True:
+            tries += 1
+            try:
+                with urllib.request.urlopen(req, timeout=max(deadline - time.monotonic(), 1.0)) as r:
+                    ok = r.status == 200
+                break
+            except urllib.error.HTTPError as exc:
+                detail = exc.read().decode(errors="replace")
+                # The router's drain covers only the requests it sent: a health check or the tail of
+                # a finished stream can still be in the scheduler, and SGLang then refuses the flip
+                # (nothing torn down, safe to retry) until it is idle.
+                if exc.code == 400 and "not idle" in detail and time.monotonic() + self.switch_retry_s < deadline:
+                    time.sleep(self.switch_retry_s)
+                    continue
+                log.warning("role switch of %s refused after %d tries: %s %s", url, tries, exc.code, detail[:200])
+                return False
+            except OSError as exc:
+                log.warning("role switch of %s failed: %s", url, exc)
+                return False
+        log.info("switched instance url=%s %s->%s ok=%s tries=%d", url, old.value, new.value, ok, tries)
         return ok
 
     def alive(self, url: str) -> bool:

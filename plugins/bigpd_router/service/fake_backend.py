@@ -126,8 +126,11 @@ class FakeBackend:
         """Like SGLang's: flips prefill<->decode, refused while requests run or for a plain server."""
         body = await request.json()
         new = body.get("new_role")
-        if self.role not in ("prefill", "decode") or new not in ("prefill", "decode") or self.running:
+        if self.role not in ("prefill", "decode") or new not in ("prefill", "decode"):
             return web.json_response({"success": False, "message": "refused"}, status=400)
+        if self.running:
+            return web.json_response({"success": False, "message": "instance is not idle; drain all requests "
+                                      "before switching", "safe_to_restore": True}, status=400)
         if new == "decode" and new != self.role and body.get("decode_cuda_graph_memory_gb") is None:
             return web.json_response({"success": False, "message": "decode_cuda_graph_memory_gb is required "
                                       "before capturing decode graphs"}, status=400)
