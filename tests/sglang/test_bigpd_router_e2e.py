@@ -218,7 +218,7 @@ def hf_greedy(model_path: Path, prompt: list[int], n: int) -> list[int]:
 
 class PostSwitchStall(AssertionError):
     """The first pair after the role swap sent no first token within the router's timeout (both of
-    its attempts): seen once in CI (2026-12-06), not reproduced here in 11 runs (4 of them beside
+    its attempts): seen once in CI (2026-12-06), not reproduced here in 15 runs (4 of them beside
     three busy loops); the servers' side of it is in the message."""
 
 
