@@ -75,7 +75,10 @@ def table(folder: Path = RESULTS) -> str:
 
 
 def variant_options(d: dict[str, Any], name: str) -> str:
-    """A GPU run's variant `fair_sched/TAG` as its options, e.g. `decode_time_share=0.2`."""
+    """A GPU run's variant `fair_sched/TAG` as its options, e.g. `decode_time_share=0.2`; a stock
+    server with mixed chunk (`POLICY+mixed`) as its flag."""
+    if name.endswith("+mixed"):
+        return "--enable-mixed-chunk"
     env = dict(map(parse_variant, d["settings"].get("variants", []))).get(name)
     return "?" if env is None else options_label(env)
 
@@ -89,7 +92,10 @@ def _in_cell(r: dict[str, Any], trace: str, chunk: str, load: str | None) -> boo
 
 def pass_timing(d: dict[str, Any], trace: str, chunk: str, policy: str, load: str | None = None) -> str:
     """How the policy's runs timed their passes: `lag N` as recorded (`timing_lag`, GPU drivers since
-    the overlap-timing fix b5a7031), else `before fix` (each pass timed as the one before it)."""
+    the overlap-timing fix b5a7031), else `before fix` (each pass timed as the one before it); `-`
+    for a stock server (`POLICY+mixed`), which times nothing."""
+    if policy.endswith("+mixed"):
+        return "-"
     lags = {r["fair_sched_counters"]["timing_lag"] for r in d.get("runs", [])
             if _in_cell({"trace": "bursty", **r}, trace, chunk, load) and r["policy"] == policy
             and "timing_lag" in r.get("fair_sched_counters", {})}

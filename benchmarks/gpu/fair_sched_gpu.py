@@ -14,7 +14,9 @@ benchmarks/fair_sched/serving.py; summaries: benchmarks/fair_sched/workload.py.
     python benchmarks/gpu/fair_sched_gpu.py --chunks 2048 8192 --traces bursty mooncake --requests 40 --out F.json [--loads 0.6 0.85] [--cpu-dry-run]
 
 `--variant TAG:KEY=V[,KEY=V]` adds a fair_sched server with those options (`fair_sched/TAG`), run and
-checked against the same targets beside the defaults.
+checked against the same targets beside the defaults. `--mixed-chunk-stock POLICY ...` adds stock
+servers with SGLang's `--enable-mixed-chunk` (`POLICY+mixed`), checked as candidates against the
+same targets; the baselines stay the stock policies without it, as issue 27 states them.
 
 Five 8B-shaped servers need an H200 (141 GB); `--layers 16` fits them on an 80 GB H100.
 """
@@ -38,6 +40,7 @@ from traces import Scale, make, prompt_ids  # noqa: E402
 from workload import summarize  # noqa: E402
 
 POLICIES = ("fcfs", "lpm", "shortest-prefill-first", "hrrn", "fair_sched")
+MIXED = "+mixed"
 COUNTERS = ("yields_to_short", "yields_to_decode", "limited_passes", "long_started", "long_finished", "long_chunks",
             "chunks_cut_for_kv", "chunks_parked_for_kv", "waiting_prefill_s", "waiting_decode_s")
 GAUGES = ("decode_run_max", "timing_lag", "decode_step_ms")
@@ -52,6 +55,12 @@ def jobs_of(reqs: list[Any], rate: float, salt: str, trace_chunk: int, tag: str)
 def is_fair(policy: str) -> bool:
     """fair_sched itself or one of its variants (`fair_sched/TAG`)."""
     return policy == "fair_sched" or policy.startswith("fair_sched/")
+
+
+def mixed_stock(policy: str) -> str | None:
+    """The stock policy of a `POLICY+mixed` server (SGLang's mixed chunk on), else None."""
+    base = policy.removesuffix(MIXED)
+    return base if base != policy and base in STOCK else None
 
 
 def flush(srv: Any) -> None:
@@ -78,6 +87,8 @@ def main() -> int:
     ap.add_argument("--policies", nargs="+", default=list(POLICIES))
     ap.add_argument("--variant", action="append", default=[], metavar="TAG:KEY=V[,KEY=V]",
                     help="a fair_sched server with these options beside the others (fair_sched/TAG)")
+    ap.add_argument("--mixed-chunk-stock", nargs="+", default=[], choices=STOCK, metavar="POLICY",
+                    help="stock policies also run with --enable-mixed-chunk (POLICY+mixed), as candidates")
     ap.add_argument("--layers", type=int, default=0,
                     help="hidden layers of the 8B-width model (0: 32, the 8B shape); fewer fit five servers on an 80 GB card")
     ap.add_argument("--cpu-dry-run", action="store_true")
@@ -87,13 +98,13 @@ def main() -> int:
         variants = dict(map(parse_variant, a.variant))
     except ValueError as exc:
         ap.error(str(exc))
-    a.policies = [*a.policies, *variants]
+    a.policies = [*a.policies, *variants, *(p + MIXED for p in a.mixed_chunk_stock)]
     loads = a.loads or [a.load]
     shape = {"num_hidden_layers": a.layers} if a.layers else {}
     setup = Setup(a.cpu_dry_run, max_positions=max(8192, a.max_prompt + 1024), **shape)
     scale = Scale(f"gpu{a.trace_chunk}", a.trace_chunk, a.max_prompt, a.out_tokens[0], a.out_tokens[1], 1 / 4, 14.0)
     res = header("benchmarks/gpu/fair_sched_gpu.py", "python " + " ".join(sys.argv), setup,
-                 {"traces": a.traces, "variants": a.variant, "layers": a.layers or 32, "trace_chunk": a.trace_chunk, "max_prompt": a.max_prompt, "requests": a.requests,
+                 {"traces": a.traces, "variants": a.variant, "mixed_chunk_stock": a.mixed_chunk_stock, "layers": a.layers or 32, "trace_chunk": a.trace_chunk, "max_prompt": a.max_prompt, "requests": a.requests,
                   "load": loads[0] if len(loads) == 1 else loads, "seeds": a.seeds, "chunks": a.chunks, "policies": a.policies, "cal_requests": a.cal_requests,
                   "pool_tokens": a.pool_tokens, "output_tokens": a.out_tokens,
                   "long": f">= 8 x {a.trace_chunk} prompt tokens"})
@@ -105,7 +116,10 @@ def main() -> int:
         servers: dict[str, Any] = {}
         for p in a.policies:
             ours = is_fair(p)
-            extra = ["--chunked-prefill-size", str(chunk), "--schedule-policy", "fcfs" if ours else p]
+            base = mixed_stock(p)
+            extra = ["--chunked-prefill-size", str(chunk), "--schedule-policy", "fcfs" if ours else base or p]
+            if base is not None:
+                extra.append("--enable-mixed-chunk")
             if setup.cpu:
                 extra += ["--context-length", str(a.max_prompt + 1024)]
             env = {"KLLM_FAIR_SCHED_PUBLISH_INTERVAL_S": "0.1", **variants.get(p, {})} if ours else {}
@@ -251,7 +265,7 @@ def metrics(runs: list[dict[str, Any]]) -> dict[str, Any]:
             whole = {p: fig for p, fig in cell.items() if fig["seeds"] == full}
             if "fair_sched" in whole and "fcfs" in whole:
                 cell["targets"] = targets(whole)
-            variants = [p for p in whole if p.startswith("fair_sched/")]
+            variants = [p for p in whole if p.startswith("fair_sched/") or mixed_stock(p)]
             if variants and "fcfs" in whole:
                 cell["variant_targets"] = {p: targets(whole, p) for p in variants}
         out[ck] = cell

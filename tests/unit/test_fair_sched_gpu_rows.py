@@ -114,3 +114,26 @@ def test_a_file_with_several_loads_gets_one_cell_and_one_row_per_load(
     rows = [ln.split(" | ") for ln in st.gpu_table(tmp_path).splitlines()[2:]]
     assert [(r[2], r[8]) for r in rows] == [("0.6", "0.75"), ("0.85", "1.25 *")]
     assert rows[0][-1] == "- |" and rows[1][-1] == "lpm |"  # the exited server named at its load only
+
+
+def test_a_stock_policy_with_mixed_chunk_is_a_candidate_not_a_baseline(
+        bench_module: Callable[[str, str], ModuleType], tmp_path: Path) -> None:
+    """`--mixed-chunk-stock`: SPF with --enable-mixed-chunk is checked against the plain stock
+    policies (its better mean does not raise the bar for fair_sched) and gets its own row."""
+    g = bench_module("gpu", "fair_sched_gpu")
+    st = bench_module("fair_sched", "server_table")
+    assert g.mixed_stock("shortest-prefill-first+mixed") == "shortest-prefill-first"
+    assert g.mixed_stock("fair_sched") is None and g.mixed_stock("nope+mixed") is None
+    runs = [_run("a", 2048, p, 0, m, m, tpot=t) for p, m, t in
+            (("fcfs", 4.0, 0.02), ("shortest-prefill-first", 2.0, 0.04), ("fair_sched", 2.2, 0.04),
+             ("shortest-prefill-first+mixed", 1.5, 0.025))]
+    m = g.metrics(runs)
+    assert m["a@2048"]["targets"]["mean <= best stock"]["value"] == pytest.approx(1.1)  # against SPF, not SPF+mixed
+    vt = m["a@2048"]["variant_targets"]["shortest-prefill-first+mixed"]
+    assert vt["mean <= best stock"]["value"] == pytest.approx(0.75) and vt["tpot <= 1.3x fcfs"]["met"]
+    doc = {"settings": {"load": 0.8, "requests": 30, "layers": 8, "mixed_chunk_stock": ["shortest-prefill-first"]},
+           "machine": {"gpu": "NVIDIA H100"}, "metrics": m, "runs": runs}
+    (tmp_path / "gpu_m.json").write_text(json.dumps(doc))
+    rows = [ln.split(" | ") for ln in st.gpu_table(tmp_path).splitlines()[2:]]
+    assert [r[0] for r in rows] == ["| a", "| a, shortest-prefill-first+mixed (--enable-mixed-chunk)"]
+    assert rows[1][6] == "-" and rows[1][8] == "0.75" and rows[1][12] == "1.25"  # no pass timing; met
