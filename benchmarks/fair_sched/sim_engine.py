@@ -238,7 +238,7 @@ class FairSingle:
         # newcomer whose whole prompt would take it past (a suspended request keeps its KV)
         room = None if e.pool is None else int(self.kv_low_watermark * e.pool) - _kv_held(e, list(self.suspended.values()))
         plan = pol.plan(items, bool(e.running), budget if self.mixed else None, now=e.seen_t,
-                        running_reqs=len(e.running), suspend_ok=room is None or room > 0, suspend_room=room)
+                        running_reqs=len(e.running), suspend_room=room)
         if plan.action == "yield" and plan.yield_to == "decode":
             return None
         suspending = plan.action == "yield" and plan.yield_to == "partial"

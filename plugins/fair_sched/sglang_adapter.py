@@ -232,12 +232,10 @@ def around_get_new_batch_prefill_raw(original: Callable[..., Any], self: Any, *a
     # While the gate is closed nothing new is admitted, so there is nobody to yield to or reserve for.
     waiting = _items(self.waiting_queue) if st.admit else []
     now = time.monotonic()
-    # A suspended request keeps its KV: none is set aside once usage reaches the low watermark,
-    # nor for a newcomer whose whole prompt would take usage past it.
-    suspend_ok = st.gate.usage < st.cfg.kv_low_watermark
+    # A suspended request keeps its KV: none is set aside for a newcomer whose whole prompt would
+    # take usage past the low watermark (nor at all once usage is there).
     suspend_room = int(st.cfg.kv_low_watermark * total) - used
-    plan = pol.plan(waiting, decode_running, budget, now=now, running_reqs=running_reqs, suspend_ok=suspend_ok,
-                    suspend_room=suspend_room)
+    plan = pol.plan(waiting, decode_running, budget, now=now, running_reqs=running_reqs, suspend_room=suspend_room)
     st.pass_budget = budget
     if plan.action == "yield":
         st.counters[f"yields_to_{plan.yield_to}"] += 1

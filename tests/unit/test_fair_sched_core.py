@@ -107,7 +107,7 @@ def test_a_larger_earlier_key_request_suspends_the_partial_one_within_the_caps()
     assert back is not None and back.rid == "L" and back.computed_tokens == 128 and pol.suspended == []
     # not while the engine's KV cannot hold both, nor for a second long one with max_long_partial 1
     pol.record_run("L", 300)
-    assert pol.plan(medium, decode_running=False, suspend_ok=False).action == "run"
+    assert pol.plan(medium, decode_running=False, suspend_room=0).action == "run"
     assert pol.plan([WaitingItem("h", 2100, 0, 0)], decode_running=False).action == "run"  # 2100 > 16 budgets
     assert pol.plan(medium, decode_running=False).yield_to == "partial"
     # max_partial 1 (the default) never suspends

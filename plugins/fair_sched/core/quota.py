@@ -446,17 +446,16 @@ class FairPolicy:
         return n, used
 
     def plan(self, waiting: Sequence[WaitingItem], decode_running: bool, budget: int | None = None,
-             now: float | None = None, running_reqs: int | None = None, suspend_ok: bool = True,
+             now: float | None = None, running_reqs: int | None = None,
              suspend_room: int | None = None) -> PassPlan:
         """Decide this pass for the active request (if any). A yield is committed here.
         `budget`: this pass's budget when smaller than `budget_tokens` (decode rows riding along
         take part of it); `now`: the clock in seconds (for the decode clocks); `running_reqs`:
-        how many requests decode (for `busy_decode_reqs`); `suspend_ok`: whether the active request
-        may be suspended for a larger earlier-key one (the engine's KV allows holding both);
-        `suspend_room`: KV tokens the engine can give a newcomer beside everything held now (None:
-        no limit). The active request is suspended only for a newcomer whose whole remaining prompt
-        fits there: one that did not could stall half-prefilled beside the suspended request's KV,
-        with neither able to go on."""
+        how many requests decode (for `busy_decode_reqs`); `suspend_room`: KV tokens the engine can
+        give a newcomer beside everything held now (None: no limit). The active request is
+        suspended (keeping its KV) for a larger earlier-key one only if that newcomer's whole
+        remaining prompt fits there: one that did not could stall half-prefilled beside the
+        suspended request's KV, with neither able to go on; at 0 or below nothing is suspended."""
         p = self.params
         a = self.active
         prompts_wait = bool(waiting) or a is not None or bool(self.suspended)
@@ -494,7 +493,7 @@ class FairPolicy:
         if helps and turn_over:
             self._yielded(a)
             return PassPlan("yield", yield_to="short", extra_tokens=p.ceil_page(p.short_extra_tokens))
-        if not helps and fitted < len(earlier) and turn_over and suspend_ok \
+        if not helps and fitted < len(earlier) and turn_over \
                 and (suspend_room is None or earlier[fitted].work_tokens <= suspend_room) \
                 and self._may_suspend(earlier[fitted]):
             # The first earlier-key request that cannot ride is larger than a whole pass: the
