@@ -190,6 +190,12 @@ def _fill(e: Engine, order: list[Req], rows: list[tuple[Req, int]], budget: int,
             break
 
 
+class MixedStock(str):
+    """A stock order (its name) with SGLang's mixed chunk on: `simulate` decodes the running
+    requests inside every prefill pass of a policy whose `mixed` is true."""
+    mixed = True
+
+
 def plan_stock(e: Engine, policy: str) -> list[tuple[Req, int]]:
     rows: list[tuple[Req, int]] = []
     budget = e.chunk

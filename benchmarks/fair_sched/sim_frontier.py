@@ -42,6 +42,7 @@ import grid  # noqa: E402
 import sim_engine as se  # noqa: E402
 import targets  # noqa: E402
 import traces as tr  # noqa: E402
+from sim_gpu_replay import seed_runs  # noqa: E402
 
 from kllm_plugins.bench.record import build_summary  # noqa: E402
 
@@ -57,38 +58,30 @@ DECODE = (("decode_share=0",), ("decode_share=0.04",), ("decode_share=0.15",),
 MIXED = (False, True)
 LONG_MIN_SHARES = (0.1, 0.25, 0.5)
 MAX_PARTIAL = (1, 2)
-ISSUE_TARGETS = tuple(t[0] for t in targets.TARGETS)
 
 
-class _MixedStock(str):
-    """A stock order with SGLang's mixed chunk: `sim_engine.simulate` decodes the running requests
-    inside every prefill pass of a policy whose `mixed` is true."""
-    mixed = True
-
-
-def family() -> list[tuple[str, str, tuple[str, ...]]]:
-    """(name, policy, fair_sched options) of every candidate."""
-    out = [(f"{p} + mixed chunk", p, ()) for p in STOCK]
+def family() -> list[tuple[str, str, tuple[str, ...] | None]]:
+    """(name, policy, fair_sched options; None for a stock order) of every candidate."""
+    out: list[tuple[str, str, tuple[str, ...] | None]] = [(f"{p} + mixed chunk", se.MixedStock(p), None) for p in STOCK]
     for w, dec, mixed, lms, mp in itertools.product(AGE_WEIGHTS, DECODE, MIXED, LONG_MIN_SHARES, MAX_PARTIAL):
         env = (f"age_weight={w:g}", *dec, f"mixed_decode={int(mixed)}", f"long_min_share={lms}",
                f"max_partial_prefills={mp}")
-        out.append((",".join(e for e in env), "fair_sched", env))
+        out.append((",".join(env), "fair_sched", env))
     return out
 
 
-def _runs(jobs: list[Any], rate: float, chunk: int, policy: str, env: tuple[str, ...] | None,
-          mixed_stock: bool = False) -> dict[str, float]:
-    """Seed means of `sim_engine.summary` for one policy (fair_sched with options `env`)."""
-    cm, rows = se.COSTS["h100_8l"], []
-    for seed, j in enumerate(jobs):
-        if env is None:
-            pol: Any = _MixedStock(policy) if mixed_stock else policy
-        else:
-            pol = se.make_policy(policy, chunk, grid.config_from(list(env)))
-            pol.pol.timing_lag = 1
-        rows.append(se.summary(se.simulate(j, rate, pol, chunk, cm, seed, overlap=env is not None, pool_tokens=POOL),
-                               8 * TRACE_CHUNK - 1))
+def _means(jobs: list[Any], rate: float, chunk: int, policy: str, env: tuple[str, ...] | None) -> dict[str, float]:
+    """Seed means for one policy: a stock order on the plain clock (`env` None), or fair_sched with
+    options `env` reading it as under the overlap scheduler with its one-pass lag, as on the GPU."""
+    rows = seed_runs(jobs, rate, chunk, se.COSTS["h100_8l"], 8 * TRACE_CHUNK - 1, policy, list(env or ()),
+                     overlap=env is not None, lag=1, pool=POOL)
     return {k: statistics.fmean(r[k] for r in rows) for k in grid.METRICS}
+
+
+def _checked(name: str, m: dict[str, float], stock: dict[str, dict[str, float]]) -> dict[str, Any]:
+    checks = targets.check({**stock, "candidate": m}, "candidate")
+    return {"name": name, "ratios": {k: v["value"] for k, v in checks.items()},
+            "missed": [k for k, v in checks.items() if not v["met"]]}
 
 
 def cell(args: tuple[str, int, float, int]) -> dict[str, Any]:
@@ -96,18 +89,11 @@ def cell(args: tuple[str, int, float, int]) -> dict[str, Any]:
     trace, chunk, load, seeds = args
     scale = tr.Scale(f"gpu{TRACE_CHUNK}", TRACE_CHUNK, MAX_PROMPT, OUTPUTS[0], OUTPUTS[1], 1 / 4, 14.0)
     cap = se.capacity(tr.make(trace, scale, CAL_REQUESTS, 99), chunk, se.COSTS["h100_8l"], pool_tokens=POOL)
-    jobs = [tr.make(trace, scale, 30, seed) for seed in range(seeds)]
-    stock = {p: _runs(jobs, load * cap, chunk, p, None) for p in STOCK}
-    results = []
-    for name, policy, env in family():
-        m = _runs(jobs, load * cap, chunk, policy, None if policy in STOCK else env, mixed_stock=policy in STOCK)
-        checks = targets.check({**stock, "candidate": m}, "candidate")
-        results.append({"name": name, "ratios": {k: v["value"] for k, v in checks.items()},
-                        "missed": [k for k, v in checks.items() if not v["met"]]})
-    for p in ("shortest-prefill-first", "hrrn"):  # the stock orders themselves, for reference
-        checks = targets.check({**stock, "candidate": stock[p]}, "candidate")
-        results.append({"name": f"{p} (stock)", "ratios": {k: v["value"] for k, v in checks.items()},
-                        "missed": [k for k, v in checks.items() if not v["met"]]})
+    rate, jobs = load * cap, [tr.make(trace, scale, 30, seed) for seed in range(seeds)]
+    stock = {p: _means(jobs, rate, chunk, p, None) for p in STOCK}
+    results = [_checked(name, _means(jobs, rate, chunk, policy, env), stock) for name, policy, env in family()]
+    # the stock orders themselves, for reference
+    results += [_checked(f"{p} (stock)", stock[p], stock) for p in ("shortest-prefill-first", "hrrn")]
     return {"capacity_req_s": round(cap, 4), **digest(results), "candidates": len(results)}
 
 

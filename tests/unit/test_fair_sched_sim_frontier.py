@@ -34,12 +34,11 @@ def test_digest_picks_tpot_only_among_candidates_that_win_the_mean(bench_module:
 
 
 def test_a_stock_order_with_mixed_chunk_decodes_inside_prefill_passes(bench_module: Callable[[str, str], ModuleType]) -> None:
-    sf = bench_module("fair_sched", "sim_frontier")
     se = bench_module("fair_sched", "sim_engine")
     tr = bench_module("fair_sched", "traces")
     # a short request decodes while a long one prefills chunk after chunk
     trace = [tr.TraceRequest(0.0, 60, 6, ()), tr.TraceRequest(0.001, 20000, 4, ())]
-    plain, mixed = (se.simulate(trace, 1.0, p, 2048, se.COSTS["h100_8l"]) for p in ("fcfs", sf._MixedStock("fcfs")))
+    plain, mixed = (se.simulate(trace, 1.0, p, 2048, se.COSTS["h100_8l"]) for p in ("fcfs", se.MixedStock("fcfs")))
     # fcfs never decodes while a prompt waits for its next chunk; with mixed chunk the short one
     # finishes while the long one still prefills
     assert plain[0].finish_s > plain[1].first_s
