@@ -18,7 +18,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from serving import options_label, parse_variant  # noqa: E402
+from serving import mixed_stock, options_label, parse_variant  # noqa: E402
 
 from kllm_plugins.plugin_docs import replace_generated, rewrite_doc  # noqa: E402
 
@@ -77,7 +77,7 @@ def table(folder: Path = RESULTS) -> str:
 def variant_options(d: dict[str, Any], name: str) -> str:
     """A GPU run's variant `fair_sched/TAG` as its options, e.g. `decode_time_share=0.2`; a stock
     server with mixed chunk (`POLICY+mixed`) as its flag."""
-    if name.endswith("+mixed"):
+    if mixed_stock(name):
         return "--enable-mixed-chunk"
     env = dict(map(parse_variant, d["settings"].get("variants", []))).get(name)
     return "?" if env is None else options_label(env)
@@ -94,7 +94,7 @@ def pass_timing(d: dict[str, Any], trace: str, chunk: str, policy: str, load: st
     """How the policy's runs timed their passes: `lag N` as recorded (`timing_lag`, GPU drivers since
     the overlap-timing fix b5a7031), else `before fix` (each pass timed as the one before it); `-`
     for a stock server (`POLICY+mixed`), which times nothing."""
-    if policy.endswith("+mixed"):
+    if mixed_stock(policy):
         return "-"
     lags = {r["fair_sched_counters"]["timing_lag"] for r in d.get("runs", [])
             if _in_cell({"trace": "bursty", **r}, trace, chunk, load) and r["policy"] == policy

@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import aiohttp
 
 from kllm_plugins.bench.client import astream
+from targets import STOCK
 
 EP_SHIM = "kllm_fair_sched_dev-0.0.dist-info"
 
@@ -48,6 +49,16 @@ def sglang_server(model: str, plugins: Sequence[str] = (), extra_args: Sequence[
     if shim:
         full_env["PYTHONPATH"] = os.pathsep.join(p for p in (shim, os.environ.get("PYTHONPATH", "")) if p)
     return SGLangServer(model, plugins=plugins, extra_args=extra_args, env=full_env, max_total_tokens=max_total_tokens)
+
+
+MIXED = "+mixed"
+"""Suffix of a stock server run with SGLang's --enable-mixed-chunk (`shortest-prefill-first+mixed`)."""
+
+
+def mixed_stock(policy: str) -> str | None:
+    """The stock policy of a `POLICY+mixed` server (SGLang's mixed chunk on), else None."""
+    base = policy.removesuffix(MIXED)
+    return base if base != policy and base in STOCK else None
 
 
 def parse_variant(spec: str) -> tuple[str, dict[str, str]]:

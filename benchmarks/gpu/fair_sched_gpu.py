@@ -34,13 +34,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "fair_sched"))
 from gpu_bench_common import Setup, header, log, write  # noqa: E402
-from serving import Job, fair_totals, parse_variant, run_jobs  # noqa: E402
+from serving import MIXED, Job, fair_totals, mixed_stock, parse_variant, run_jobs  # noqa: E402
 from targets import STOCK, check as check_targets  # noqa: E402
 from traces import Scale, make, prompt_ids  # noqa: E402
 from workload import summarize  # noqa: E402
 
 POLICIES = ("fcfs", "lpm", "shortest-prefill-first", "hrrn", "fair_sched")
-MIXED = "+mixed"
 COUNTERS = ("yields_to_short", "yields_to_decode", "limited_passes", "long_started", "long_finished", "long_chunks",
             "chunks_cut_for_kv", "chunks_parked_for_kv", "waiting_prefill_s", "waiting_decode_s")
 GAUGES = ("decode_run_max", "timing_lag", "decode_step_ms")
@@ -55,12 +54,6 @@ def jobs_of(reqs: list[Any], rate: float, salt: str, trace_chunk: int, tag: str)
 def is_fair(policy: str) -> bool:
     """fair_sched itself or one of its variants (`fair_sched/TAG`)."""
     return policy == "fair_sched" or policy.startswith("fair_sched/")
-
-
-def mixed_stock(policy: str) -> str | None:
-    """The stock policy of a `POLICY+mixed` server (SGLang's mixed chunk on), else None."""
-    base = policy.removesuffix(MIXED)
-    return base if base != policy and base in STOCK else None
 
 
 def flush(srv: Any) -> None:
