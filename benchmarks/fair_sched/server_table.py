@@ -102,6 +102,17 @@ def pass_timing(d: dict[str, Any], trace: str, chunk: str, policy: str, load: st
     return " / ".join(f"lag {int(v)}" for v in sorted(lags)) or "before fix"
 
 
+def exited_cell(policy: str, against: dict[str, Any] | None) -> str:
+    """A stock server that exited, with fair_sched's mean and short P90 against it on the seeds it ran
+    (recorded by the GPU driver as `exited_stock`), which the targets leave out."""
+    if not against:
+        return policy
+    n = len(against["seeds"])
+    figs = ", ".join(f"{label} {against[k]:.2f}" for k, label in (("mean", "mean"), ("short_p90", "short P90"))
+                     if k in against)
+    return f"{policy} (fair_sched on its {n} seed{'s' if n > 1 else ''}: {figs})"
+
+
 def gpu_table(folder: Path = RESULTS) -> str:
     """One row per trace and chunk of the GPU runs; stock servers that died are named."""
     head = ["| trace | chunk | load | requests | seeds | GPU | pass timing | best stock (mean) | "
@@ -118,10 +129,11 @@ def gpu_table(folder: Path = RESULTS) -> str:
                 continue
             layers = s.get("layers", 32)
             gpu = d["machine"]["gpu"].replace("NVIDIA ", "").split()[0] + ("" if layers == 32 else f", {layers} layers")
-            # a run's failure names its trace; a warm-up failure (no trace) leaves the server out of every trace
-            died = sorted({e["policy"] for e in d.get("errors") or [] if _in_cell(e, trace, chunk, load)})
-            stock_tpot = " / ".join(f"{cell[p]['vs_fcfs']['tpot_s_mean']:.2f}" if p in cell else "-"
+            # the driver's metrics name the servers that exited before the cell's last seed
+            died = cell.get("exited", [])
+            stock_tpot = " / ".join(f"{cell[p]['vs_fcfs']['tpot_s_mean']:.2f}" if "vs_fcfs" in cell.get(p, {}) else "-"
                                     for p in ("shortest-prefill-first", "hrrn"))
+            died = [exited_cell(q, cell.get("exited_stock", {}).get(q)) for q in died]
             for ours, t in [("fair_sched", cell["targets"]), *sorted(cell.get("variant_targets", {}).items())]:
                 marks = [("-" if t[k]["value"] != t[k]["value"] else f"{t[k]['value']:.2f}" + ("" if t[k]["met"] else " *"))
                          for k, _ in COLUMNS]

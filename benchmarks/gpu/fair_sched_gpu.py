@@ -85,8 +85,16 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=0,
                     help="hidden layers of the 8B-width model (0: 32, the 8B shape); fewer fit five servers on an 80 GB card")
     ap.add_argument("--cpu-dry-run", action="store_true")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out")
+    ap.add_argument("--recompute", nargs="+", default=[], metavar="FILE",
+                    help="rewrite these result files' metrics from their runs and errors (after a change to `metrics`), and stop")
     a = ap.parse_args()
+    if a.recompute:
+        for path in a.recompute:
+            recompute(path)
+        return 0
+    if not a.out:
+        ap.error("--out is required")
     try:
         variants = dict(map(parse_variant, a.variant))
     except ValueError as exc:
@@ -173,7 +181,7 @@ def main() -> int:
         finally:
             for srv in servers.values():
                 srv.stop()
-    res["metrics"] = metrics(res["runs"])
+    res["metrics"] = metrics(res["runs"], res.get("errors"))
     write(a.out, res)
     return 0
 
@@ -207,7 +215,7 @@ def run_one(a: Any, res: dict[str, Any], srv: Any, p: str, trace: str, chunk: in
         # not counts: a maximum since start, the pass-timing lag in force, the decode step's estimate
         row["fair_sched_counters"].update({k: after.get(k, 0) for k in GAUGES})
     res["runs"].append(row)
-    res["metrics"] = metrics(res["runs"])
+    res["metrics"] = metrics(res["runs"], res.get("errors"))
     write(a.out, res)
     log("fair", f"[{time.perf_counter() - t_start:.0f}s] {trace} chunk {chunk}{f' load {load}' if at else ''} {p} "
         f"s{seed}: ttft mean "
@@ -219,47 +227,99 @@ def run_one(a: Any, res: dict[str, Any], srv: Any, p: str, trace: str, chunk: in
 
 
 
+def recompute(path: str) -> None:
+    """A recorded file's `metrics` derived again from its `runs` and `errors`, in place (compact JSON,
+    figures to 5 significant digits, as the files under benchmarks/results/fair_sched are kept)."""
+    import json
+
+    def rounded(v: Any) -> Any:  # NaN stays NaN: the tables read it as "nothing to compare"
+        if isinstance(v, float):
+            return float(f"{v:.5g}") if math.isfinite(v) else v
+        if isinstance(v, dict):
+            return {k: rounded(x) for k, x in v.items()}
+        return [rounded(x) for x in v] if isinstance(v, list) else v
+
+    with open(path, encoding="utf-8") as f:
+        res = json.load(f)
+    res["metrics"] = metrics(res["runs"], res.get("errors"))
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(json.dumps(rounded(res), separators=(",", ":")) + "\n")
+
+
 def cell_key(r: dict[str, Any]) -> str:
     """`trace@chunk`, or `trace@chunk@load` for a run of a driver that ran several loads."""
     return f"{r.get('trace', 'bursty')}@{r['chunk']}" + (f"@{r['load']}" if "load" in r else "")
 
 
-def metrics(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per cell (`cell_key`) and policy: the mean over seeds of each figure (min/max beside), its ratio
-    to fcfs (below 1 is better for TTFT and TPOT), and fair_sched's targets of issue 27 on seed
-    means (mean and short P90 against the best stock policy, the rest against fcfs)."""
+def _figures(rs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Seed means (min/max beside) of one policy's runs in one cell."""
     import statistics
 
+    fig: dict[str, Any] = {"seeds": len(rs)}
+    picks = [(f"{k}_{q}", k, q) for k in KEYS for q in ("mean", "p50", "p90", "p99")]
+    picks += [("tpot_s_mean", "tpot_s", "mean"), ("long_ttft_over_solo_max", "long_ttft_over_solo", "max")]
+    picks += [("throughput_req_s", "throughput_req_s", None)]
+    for name, key, q in picks:
+        vals = [r[key] if q is None else r[key][q] for r in rs if q is None or q in r.get(key, {})]
+        if vals:
+            fig[name] = {"mean": statistics.fmean(vals), "min": min(vals), "max": max(vals)}
+    return fig
+
+
+def metrics(runs: list[dict[str, Any]], errors: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Per cell (`cell_key`) and policy: the mean over seeds of each figure (min/max beside), its ratio
+    to fcfs (below 1 is better for TTFT and TPOT), and fair_sched's targets of issue 27 on seed
+    means (mean and short P90 against the best stock policy, the rest against fcfs).
+
+    Every policy is compared on the seeds that all policies whose servers stayed up ran: a seed the
+    call's time limit cut short is left out (`seeds_left_out`). A server that exited before the
+    cell's last seed (`exited`: SGLang's chunk overcommit ends stock servers) is left out of the
+    targets; fair_sched's mean and short P90 against it on the seeds it did run are kept apart
+    (`exited_stock`), since leaving the best stock policy out flatters fair_sched."""
     out: dict[str, Any] = {}
+    order = list(dict.fromkeys(r.get("trace", "bursty") for r in runs))  # traces in the order they ran
     for ck in sorted({cell_key(r) for r in runs}):
-        cell: dict[str, Any] = {}
-        for p in dict.fromkeys(r["policy"] for r in runs):
-            rs = [r for r in runs if cell_key(r) == ck and r["policy"] == p]
-            if not rs:
-                continue
-            fig: dict[str, Any] = {"seeds": len(rs)}
-            picks = [(f"{k}_{q}", k, q) for k in KEYS for q in ("mean", "p50", "p90", "p99")]
-            picks += [("tpot_s_mean", "tpot_s", "mean"), ("long_ttft_over_solo_max", "long_ttft_over_solo", "max")]
-            for name, key, q in picks:
-                vals = [r[key][q] for r in rs if q in r.get(key, {})]
-                if vals:
-                    fig[name] = {"mean": statistics.fmean(vals), "min": min(vals), "max": max(vals)}
-            vals = [r["throughput_req_s"] for r in rs]
-            fig["throughput_req_s"] = {"mean": statistics.fmean(vals), "min": min(vals), "max": max(vals)}
-            cell[p] = fig
+        in_cell = [r for r in runs if cell_key(r) == ck]
+        trace, chunk = in_cell[0].get("trace", "bursty"), in_cell[0]["chunk"]
+        # a server that exited (an error in this chunk: in its warm-up, on this trace or on one run before
+        # it) missed the rest of the file's runs there; loads run within a seed
+        failed = {e["policy"] for e in errors or [] if e.get("chunk") == chunk
+                  and ("trace" not in e or (e["trace"] in order and order.index(e["trace"]) <= order.index(trace)))}
+        seeds = {p: {r["seed"] for r in in_cell if r["policy"] == p} for p in dict.fromkeys(r["policy"] for r in in_cell)}
+        alive = [p for p in seeds if p not in failed]
+        common = set.intersection(*(seeds[p] for p in alive)) if alive else set()
+        alive += [p for p in seeds if p in failed and common and seeds[p] >= common]  # exited after this cell's runs
+        exited = sorted(failed - set(alive))
+        cell: dict[str, Any] = {p: _figures([r for r in in_cell if r["policy"] == p and r["seed"] in common])
+                                for p in alive if common}
+        left_out = sorted({r["seed"] for r in in_cell if r["policy"] in alive} - common)
+        if left_out and common:
+            cell["seeds_left_out"] = left_out
+        if exited:
+            cell["exited"] = exited
+        for p in (q for q in exited if q in seeds):
+            cell[p] = {**_figures([r for r in in_cell if r["policy"] == p]), "exited": True}
         if "fcfs" in cell:
             for p, fig in cell.items():
-                if p != "fcfs":
+                if p != "fcfs" and isinstance(fig, dict) and not fig.get("exited"):
                     fig["vs_fcfs"] = {k: fig[k]["mean"] / cell["fcfs"][k]["mean"] for k in fig
                                       if isinstance(fig[k], dict) and k in cell["fcfs"] and cell["fcfs"][k]["mean"] > 0}
-            # targets on seed means of the same seeds: a policy whose server exited on some seed is
-            # left out of the comparison (named in the tables as a server that exited)
-            full = max(fig["seeds"] for fig in cell.values())
-            whole = {p: fig for p, fig in cell.items() if fig["seeds"] == full}
-            if "fair_sched" in whole and "fcfs" in whole:
+            whole = {p: fig for p, fig in cell.items() if isinstance(fig, dict) and "seeds" in fig and not fig.get("exited")}
+            if "fair_sched" in whole:
                 cell["targets"] = targets(whole)
+                ex = {}
+                for p in (q for q in exited if q in seeds and q in STOCK):
+                    both = sorted(seeds[p] & seeds["fair_sched"])
+                    if both:
+                        mine, theirs = (_figures([r for r in in_cell if r["policy"] == q and r["seed"] in both])
+                                        for q in ("fair_sched", p))
+                        ex[p] = {"seeds": both, **{k: mine[v]["mean"] / theirs[v]["mean"] for k, v in
+                                                   (("mean", "ttft_s_mean"), ("short_p90", "ttft_short_s_p90"))
+                                                   if v in mine and v in theirs and theirs[v]["mean"] > 0}}
+                if ex:
+                    cell["exited_stock"] = ex
             variants = [p for p in whole if p.startswith("fair_sched/") or mixed_stock(p)]
-            if variants and "fcfs" in whole:
+            if variants:
                 cell["variant_targets"] = {p: targets(whole, p) for p in variants}
         out[ck] = cell
     return out

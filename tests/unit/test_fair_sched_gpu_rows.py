@@ -42,9 +42,10 @@ def test_gpu_table_rows_are_sorted_and_name_stock_servers_that_exited(
     st = bench_module("fair_sched", "server_table")
     runs = [_run(tr, 8192 if tr == "b" else 2048, p, 0, m, m) for tr in ("b", "a")
             for p, m in (("fcfs", 4.0), ("hrrn", 2.0), ("fair_sched", 3.0))]
-    doc = {"settings": {"load": 0.8, "requests": 30}, "machine": {"gpu": "NVIDIA H200"}, "metrics": g.metrics(runs),
-           "errors": [{"chunk": 8192, "policy": "shortest-prefill-first", "error": "x"},  # warm-up: every trace
-                      {"chunk": 2048, "trace": "z", "policy": "lpm", "error": "x"}]}  # a run of another trace
+    errors = [{"chunk": 8192, "policy": "shortest-prefill-first", "error": "x"},  # warm-up: every trace
+              {"chunk": 2048, "trace": "z", "policy": "lpm", "error": "x"}]  # a run of another trace
+    doc = {"settings": {"load": 0.8, "requests": 30}, "machine": {"gpu": "NVIDIA H200"},
+           "metrics": g.metrics(runs, errors), "errors": errors}
     (tmp_path / "gpu_x.json").write_text(json.dumps(doc))
     lines = st.gpu_table(tmp_path).splitlines()
     assert [ln.split(" | ")[0:2] for ln in lines[2:]] == [["| a", "2048"], ["| b", "8192"]]
@@ -83,16 +84,42 @@ def test_outputs_column_gives_fair_scheds_share_and_names_stock_policies_that_di
     assert st.outputs_cell({"hrrn": 0.99, "fair_sched": 0.5}) == "NO: 50.0% (stock: hrrn 99.0%)"
 
 
-def test_a_stock_policy_whose_server_exited_on_a_seed_is_left_out_of_the_targets(
+def test_a_stock_policy_whose_server_exited_on_a_seed_is_left_out_of_the_targets_and_compared_apart(
         bench_module: Callable[[str, str], ModuleType]) -> None:
     g = bench_module("gpu", "fair_sched_gpu")
     runs = [_run("t", 2048, "fcfs", s, 4.0, 10.0) for s in (0, 1)]
     runs += [_run("t", 2048, "hrrn", s, 3.0, 10.0) for s in (0, 1)]
     runs += [_run("t", 2048, "fair_sched", 0, 1.0, 10.0), _run("t", 2048, "fair_sched", 1, 5.0, 10.0)]  # mean 3.0
     runs += [_run("t", 2048, "shortest-prefill-first", 0, 0.5, 10.0)]  # its server exited before seed 1
-    t = g.metrics(runs)["t@2048"]["targets"]
+    runs += [_run("u", 2048, p, 0, 2.0, 2.0) for p in ("fcfs", "hrrn", "fair_sched")]  # the next trace: SPF gone
+    errors = [{"trace": "t", "chunk": 2048, "policy": "shortest-prefill-first", "seed": 1, "error": "x"}]
+    m = g.metrics(runs, errors)
+    t = m["t@2048"]["targets"]
     # against seed 0 alone SPF (0.5) would look best; on the seeds all ran hrrn (3.0) is
     assert t["mean <= best stock"]["against"] == "hrrn" and t["mean <= best stock"]["value"] == pytest.approx(1.0)
+    # ... and fair_sched against SPF on the seed SPF ran is kept, not dropped: 1.0 / 0.5
+    assert m["t@2048"]["exited"] == ["shortest-prefill-first"]
+    assert m["t@2048"]["exited_stock"]["shortest-prefill-first"] == {"seeds": [0], "mean": 2.0, "short_p90": 2.0}
+    assert m["u@2048"]["exited"] == ["shortest-prefill-first"] and "exited_stock" not in m["u@2048"]
+    st = bench_module("fair_sched", "server_table")  # the table's last column
+    assert st.exited_cell("shortest-prefill-first", m["t@2048"]["exited_stock"]["shortest-prefill-first"]) == (
+        "shortest-prefill-first (fair_sched on its 1 seed: mean 2.00, short P90 2.00)")
+
+
+def test_a_seed_the_time_limit_cut_short_is_left_out_for_every_policy(
+        bench_module: Callable[[str, str], ModuleType], tmp_path: Path) -> None:
+    """The call's limit stopped seed 1 after fcfs and hrrn (no error): every policy compares on seed 0."""
+    g = bench_module("gpu", "fair_sched_gpu")
+    runs = [_run("t", 2048, p, 0, m, m) for p, m in (("fcfs", 4.0), ("hrrn", 2.0), ("fair_sched", 3.0))]
+    runs += [_run("t", 2048, p, 1, 9.0, 9.0) for p in ("fcfs", "hrrn")]
+    m = g.metrics(runs)["t@2048"]
+    assert m["seeds_left_out"] == [1] and "exited" not in m
+    assert {p: m[p]["seeds"] for p in ("fcfs", "hrrn", "fair_sched")} == {"fcfs": 1, "hrrn": 1, "fair_sched": 1}
+    assert m["targets"]["mean <= best stock"]["value"] == pytest.approx(1.5)
+    path = tmp_path / "gpu_cut.json"  # --recompute derives the same from a recorded file
+    path.write_text(json.dumps({"runs": runs, "metrics": {}}))
+    g.recompute(str(path))
+    assert json.loads(path.read_text())["metrics"]["t@2048"]["seeds_left_out"] == [1]
 
 
 def test_a_file_with_several_loads_gets_one_cell_and_one_row_per_load(
@@ -103,13 +130,14 @@ def test_a_file_with_several_loads_gets_one_cell_and_one_row_per_load(
     for load, fair in ((0.6, 3.0), (0.85, 5.0)):  # fair_sched meets the mean at 0.6 only
         for p, m in (("fcfs", 4.0), ("hrrn", 4.0), ("fair_sched", fair)):
             runs.append({**_run("a", 2048, p, 0, m, m), "load": load})
-    m = g.metrics(runs)
+    runs.append({**_run("a", 2048, "lpm", 0, 4.0, 4.0), "load": 0.6})  # its server exits at 0.85 (below)
+    errors = [{"chunk": 2048, "trace": "a", "load": 0.85, "policy": "lpm", "seed": 0, "error": "x"}]
+    m = g.metrics(runs, errors)
     assert set(m) == {"a@2048@0.6", "a@2048@0.85"}
     assert m["a@2048@0.6"]["targets"]["mean <= best stock"]["met"]
     assert not m["a@2048@0.85"]["targets"]["mean <= best stock"]["met"]
     doc = {"settings": {"load": [0.6, 0.85], "requests": 30}, "machine": {"gpu": "NVIDIA H100 80GB HBM3"},
-           "metrics": m, "runs": runs,
-           "errors": [{"chunk": 2048, "trace": "a", "load": 0.85, "policy": "lpm", "seed": 0, "error": "x"}]}
+           "metrics": m, "runs": runs, "errors": errors}
     (tmp_path / "gpu_loads.json").write_text(json.dumps(doc))
     rows = [ln.split(" | ") for ln in st.gpu_table(tmp_path).splitlines()[2:]]
     assert [(r[2], r[8]) for r in rows] == [("0.6", "0.75"), ("0.85", "1.25 *")]
