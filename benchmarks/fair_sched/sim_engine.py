@@ -89,9 +89,10 @@ COSTS = {
     "h200": Costs(0.010, 3.32e-5, 0.0, 7.81e-9, 0.0, 0.0075, 3.1e-5, 2.7e-8),
     # 8 layers of the 8B width on the H100 (sim_h100_8l_check.py): fitted to that run's solo long
     # prompts (24,576 / 40,960 tokens at chunk 2048: 0.737 / 1.891 s) with the H200's 10 ms a pass;
-    # a decode step 5.5 ms (fcfs TPOT 5.7 ms on `issue`); per request and per context token a
-    # quarter of the H200's (a quarter of the layers)
-    "h100_8l": Costs(0.010, 2.86e-6, 0.0, 1.975e-9, 0.0, 0.0055, 7.8e-6, 6.75e-9),
+    # a decode step 3.5 ms, fitted to fcfs's mean TPOT on the ten H100 cells at issue 27's loads
+    # (sim_decode_fit.py; it was 5.5 ms, fcfs's TPOT on one run, stalls included); per request and
+    # per context token a quarter of the H200's (a quarter of the layers)
+    "h100_8l": Costs(0.010, 2.86e-6, 0.0, 1.975e-9, 0.0, 0.0035, 7.8e-6, 6.75e-9),
 }
 
 
@@ -344,6 +345,7 @@ def simulate(trace: list[TraceRequest], rate: float, policy: Any, chunk: int, cm
     e = Engine(chunk, cm, pool=pool_tokens)
     nxt = finished = 0
     began = 0.0  # when the last pass started
+    replans = 0  # passes in a row whose planned rows the KV pool could not hold, nothing running
     while finished < len(reqs):
         while nxt < len(reqs) and reqs[nxt].arrival <= e.t:
             reqs[nxt].clock = e.clock
@@ -354,9 +356,17 @@ def simulate(trace: list[TraceRequest], rate: float, policy: Any, chunk: int, cm
             continue
         e.seen_t = began if overlap else e.t
         rows = plan_stock(e, policy) if isinstance(policy, str) else policy.plan(e)
+        planned = bool(rows)
         if rows and e.pool is not None:
             rows = _fit_kv(e, rows, list(getattr(policy, "suspended", {}).values()))
         began = e.t
+        if planned and not rows and not e.running and replans < 8:
+            # a yield to earlier-key requests the free KV cannot hold: SGLang's adder admits none,
+            # the pass is empty and the scheduler plans again at once (the yield is spent, so the
+            # partial request runs next); not a stall
+            replans += 1
+            continue
+        replans = 0
         if rows:
             e.t += cm.prefill([(k, r.done) for r, k in rows])
             if getattr(policy, "mixed", False) and e.running:

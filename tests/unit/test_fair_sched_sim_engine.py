@@ -3,6 +3,7 @@ adapter runs it inside SGLang: a larger earlier-key request suspends the partial
 where it stopped; every request computes exactly its own prompt."""
 from __future__ import annotations
 
+import dataclasses
 from types import ModuleType
 from typing import Callable
 
@@ -115,7 +116,9 @@ def test_with_a_request_suspended_no_other_starts_a_partial_prefill(
     grid = bench_module("fair_sched", "grid")
     env = ["age_weight=32", "decode_share=0", "decode_time_share=0.35", "long_min_share=0.1", "max_partial_prefills=2"]
     scale = tr.Scale("gpu2048", 2048, 40960, 32, 128, 1 / 4, 14.0)
-    cm, pool = se.COSTS["h100_8l"], 57344
+    # the 8-layer H100 costs as they were when the stall was found (a 5.5 ms decode step): the
+    # scenario, not the fit, is what this test needs, and it suspends under them
+    cm, pool = dataclasses.replace(se.COSTS["h100_8l"], dec_base=0.0055), 57344
     rate = 0.85 * se.capacity(tr.make("bursty", scale, 16, 99), 2048, cm, pool_tokens=pool)
     suspensions = 0
     for seed in range(3):
@@ -138,3 +141,33 @@ def test_with_a_request_suspended_no_other_starts_a_partial_prefill(
         reqs = se.simulate(tr.make("bursty", scale, 30, seed), rate, pol, 2048, cm, seed, overlap=True, pool_tokens=pool)
         assert all(r.done == r.work and r.tokens == r.out for r in reqs)
     assert suspensions > 0  # the case is exercised
+
+
+def test_a_yield_the_free_kv_cannot_hold_is_planned_again_not_a_stall(
+        bench_module: Callable[[str, str], ModuleType], monkeypatch: pytest.MonkeyPatch) -> None:
+    """fair_sched yields a pass to earlier-key requests that the free KV cannot hold, with nothing
+    decoding: SGLang's adder admits none, the scheduler plans again and the partial request (its
+    yield spent) runs. The simulation used to call that pass a stall ("stuck") and end the run
+    (found by sim_frontier.py on `lognormal` at 8192, seed 3, after the H100 decode step's refit)."""
+    se = bench_module("fair_sched", "sim_engine")
+    tr = bench_module("fair_sched", "traces")
+    grid = bench_module("fair_sched", "grid")
+    env = ["age_weight=2", "decode_share=0", "decode_time_share=0.35", "mixed_decode=1", "long_min_share=0.5"]
+    scale = tr.Scale("gpu2048", 2048, 40960, 32, 128, 1 / 4, 14.0)
+    cm, pool = dataclasses.replace(se.COSTS["h100_8l"], dec_base=0.0035), 57344  # the costs it was found on
+    emptied = 0
+    fit = se._fit_kv
+
+    def counting(e: object, rows: list, held: list) -> list:
+        nonlocal emptied
+        out = fit(e, rows, held)
+        emptied += bool(rows) and not out and not e.running
+        return out
+
+    monkeypatch.setattr(se, "_fit_kv", counting)
+    rate = 0.6 * se.capacity(tr.make("lognormal", scale, 16, 99), 8192, cm, pool_tokens=pool)
+    pol = se.make_policy("fair_sched", 8192, grid.config_from(env))
+    pol.pol.timing_lag = 1
+    reqs = se.simulate(tr.make("lognormal", scale, 30, 3), rate, pol, 8192, cm, 3, overlap=True, pool_tokens=pool)
+    assert emptied > 0  # the case is exercised
+    assert all(r.done == r.work and r.tokens == r.out for r in reqs)

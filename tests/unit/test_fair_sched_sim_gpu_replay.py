@@ -61,7 +61,7 @@ def test_doc_tables_are_current(bench_module: Callable[[str, str], ModuleType]) 
 def test_the_8_layer_costs_give_back_the_solo_prompts_they_were_fitted_to(
         bench_module: Callable[[str, str], ModuleType]) -> None:
     """The 8-layer H100 check replays that run on costs fitted to it: the run's two solo long
-    prompts come back within 2%, the model's capacity within 10% of the run's, and the GPU's ratios
+    prompts come back within 2%, the model's capacity (with the run's KV pool) within 10% of the run's, and the GPU's ratios
     are read from the recorded runs (ts2's TPOT over fcfs's)."""
     chk = bench_module("fair_sched", "sim_h100_8l_check")
     se = bench_module("fair_sched", "sim_engine")
@@ -70,7 +70,7 @@ def test_the_8_layer_costs_give_back_the_solo_prompts_they_were_fitted_to(
     for n, measured in cal["solo_long_ttft_s"].items():
         model = sum(se.COSTS["h100_8l"].prefill([(2048, 2048 * i)]) for i in range(int(n) // 2048))
         assert abs(model / measured - 1) < 0.02, (n, model, measured)
-    cap = chk.replay("issue", d["settings"], 1)["capacity_req_s"]
+    cap = chk.replay("issue", d["settings"], 1, d["settings"]["pool_tokens"])["capacity_req_s"]  # the run's KV pool
     assert abs(cap / cal["capacity_req_s"] - 1) < 0.10
     runs = {r["policy"]: r for r in d["runs"] if r["trace"] == "issue"}
     want = runs["fair_sched/ts2"]["tpot_s"]["mean"] / runs["fcfs"]["tpot_s"]["mean"]
