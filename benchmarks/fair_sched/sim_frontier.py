@@ -3,7 +3,8 @@
 The GPU grid at issue 27's loads (`gpu_loads_2048_8l_h100.json`: 8 layers of the 8B width on an
 H100, chunk 2048, loads 0.6 and 0.85 of the fcfs capacity, 30 requests a seed) met no cell: TPOT
 missed everywhere. This asks the simulated clock, costed for that card and model
-(`sim_engine.COSTS["h100_8l"]`, fitted to its solo long prompts and fcfs TPOT), whether any
+(`sim_engine.COSTS["h100_8l"]`, fitted to its solo long prompts, and its decode step to fcfs's
+TPOT on the GPU cells by `sim_decode_fit.py`), whether any
 setting would, on all five traces of the family and both loads:
 
 * fair_sched over a family of settings: its order weight (`age_weight`, from near-FCFS to

@@ -4,7 +4,8 @@ model, not a measurement)
 The H100 run of `issue` and `lognormal` at chunk 2048 used 8 layers of the 8B width
 (`gpu_issue_lognormal_2048_8l_timing_fixed.json`), so `sim_gpu_replay.py`, costed on the 32-layer
 H200, does not model it. Here `sim_engine.COSTS["h100_8l"]` is fitted to that run itself (its two
-solo long prompts and its fcfs TPOT; see sim_engine.py), and the run's cells are replayed as
+solo long prompts; the decode step to fcfs's TPOT on the H100 cells, `sim_decode_fit.py`), and the
+run's cells are replayed as
 `sim_gpu_replay.simulate_cell` replays the H200's: the same trace scale, requests, load and
 calibration, on seed 0 (the seed the GPU ran) and over `--seeds` seeds, the policy reading the clock
 as under SGLang's overlap scheduler with fair_sched's one-pass lag. Printed side by side with the
