@@ -65,7 +65,7 @@ def cells(folder: Path = RESULTS) -> list[dict[str, Any]]:
             seeds = sorted({r["seed"] for r in d["runs"] if r["policy"] == "fcfs" and r["trace"] == trace
                             and r["load"] == float(load)} - set(cell.get("seeds_left_out", [])))
             gpu = {p: {"tpot": f["tpot_s_mean"]["mean"], "mean": f["ttft_s_mean"]["mean"]}
-                   for p, f in cell.items() if isinstance(f, dict) and "tpot_s_mean" in f and not f.get("exited")}
+                   for p, f in cell.items() if isinstance(f, dict) and "tpot_s_mean" in f and p not in cell.get("exited", [])}
             out.append({"file": path.name, "trace": trace, "chunk": int(chunk), "load": float(load), "seeds": seeds,
                         "capacity": d["calibration"][f"{trace}@{chunk}"]["capacity_req_s"],
                         "rate": float(load) * d["calibration"][f"{trace}@{chunk}"]["capacity_req_s"],

@@ -298,13 +298,14 @@ def metrics(runs: list[dict[str, Any]], errors: list[dict[str, Any]] | None = No
         if exited:
             cell["exited"] = exited
         for p in (q for q in exited if q in seeds):
-            cell[p] = {**_figures([r for r in in_cell if r["policy"] == p]), "exited": True}
-        if "fcfs" in cell:
-            for p, fig in cell.items():
-                if p != "fcfs" and isinstance(fig, dict) and not fig.get("exited"):
+            cell[p] = _figures([r for r in in_cell if r["policy"] == p])  # its own seeds; named in `exited`
+        if common and "fcfs" in alive:
+            for p in alive:
+                fig = cell[p]
+                if p != "fcfs":
                     fig["vs_fcfs"] = {k: fig[k]["mean"] / cell["fcfs"][k]["mean"] for k in fig
                                       if isinstance(fig[k], dict) and k in cell["fcfs"] and cell["fcfs"][k]["mean"] > 0}
-            whole = {p: fig for p, fig in cell.items() if isinstance(fig, dict) and "seeds" in fig and not fig.get("exited")}
+            whole = {p: cell[p] for p in alive}
             if "fair_sched" in whole:
                 cell["targets"] = targets(whole)
                 ex = {}
