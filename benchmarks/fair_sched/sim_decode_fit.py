@@ -37,14 +37,13 @@ import sim_engine as se  # noqa: E402
 import traces as tr  # noqa: E402
 from sim_gpu_replay import seed_runs  # noqa: E402
 
-from kllm_plugins.bench.record import build_summary, write_summary  # noqa: E402
+from kllm_plugins.bench.record import record  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results" / "fair_sched"
-OUT = RESULTS / "sim_decode_fit_h100_8l.json"
+OUT = "sim_decode_fit_h100_8l"  # benchmarks/results/fair_sched/<this>.json
 GRID_MS = [x / 4 for x in range(8, 25)]  # dec_base 2.0 .. 6.0 ms
 PRIOR_MS = 5.5  # the decode step `h100_8l` carried before this fit
-CAL_REQUESTS = 16
 # name in the GPU file: (model policy, fair_sched options or None for a stock order)
 CHECKED = {"shortest-prefill-first": ("shortest-prefill-first", None), "hrrn": ("hrrn", None),
            "shortest-prefill-first+mixed": (se.MixedStock("shortest-prefill-first"), None),
@@ -75,8 +74,7 @@ def cells(folder: Path = RESULTS) -> list[dict[str, Any]]:
 
 def _runs(c: dict[str, Any], cm: se.Costs, policy: Any, env: list[str] | None) -> dict[str, float]:
     s = c["settings"]
-    scale = tr.Scale(f"gpu{s['trace_chunk']}", s["trace_chunk"], s["max_prompt"], s["output_tokens"][0],
-                     s["output_tokens"][1], 1 / 4, 14.0)
+    scale = tr.gpu_scale(s["trace_chunk"], s["max_prompt"], *s["output_tokens"])
     jobs = [tr.make(c["trace"], scale, s["requests"], seed) for seed in c["seeds"]]
     rows = seed_runs(jobs, c["rate"], c["chunk"], cm, 8 * s["trace_chunk"] - 1, policy, env or [],
                      overlap=env is not None, lag=1, pool=s["pool_tokens"])
@@ -99,9 +97,8 @@ def capacities(cs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 def _capacity(t: dict[str, Any], trace: str, cm: se.Costs) -> float:
     s = t["settings"]
-    scale = tr.Scale(f"gpu{s['trace_chunk']}", s["trace_chunk"], s["max_prompt"], s["output_tokens"][0],
-                     s["output_tokens"][1], 1 / 4, 14.0)
-    return se.capacity(tr.make(trace, scale, CAL_REQUESTS, 99), t["chunk"], cm, pool_tokens=s["pool_tokens"])
+    scale = tr.gpu_scale(s["trace_chunk"], s["max_prompt"], *s["output_tokens"])
+    return se.capacity(tr.make(trace, scale, s["cal_requests"], 99), t["chunk"], cm, pool_tokens=s["pool_tokens"])
 
 
 def fit(cs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -163,11 +160,11 @@ def main() -> int:
                 print(f"  {name:30s} " + "  ".join(f"{q} vs fcfs {v[q]['gpu']:.2f} / {v[q]['old']:.2f} / {v[q]['fit']:.2f}"
                                                    for q in ("tpot", "mean")))
     if a.record:
-        summary = build_summary("python benchmarks/fair_sched/sim_decode_fit.py --record", chk, shared=grid.SIM_SHARED,
-                                fit=f, cells=len(cs), columns="GPU / model with the old decode step / with the fitted one",
-                                kind="simulation: the 8-layer H100 decode step fitted to fcfs's TPOT on the GPU")
-        write_summary(OUT, summary)
-        print(f"recorded {OUT}")
+        out = record("fair_sched", OUT, "python benchmarks/fair_sched/sim_decode_fit.py --record", chk,
+                     shared=grid.SIM_SHARED, fit=f, cells=len(cs),
+                     columns="GPU / model with the old decode step / with the fitted one",
+                     kind="simulation: the 8-layer H100 decode step fitted to fcfs's TPOT on the GPU")
+        print(f"recorded {out}")
     return 0
 
 

@@ -88,7 +88,7 @@ def _checked(name: str, m: dict[str, float], stock: dict[str, dict[str, float]])
 def cell(args: tuple[str, int, float, int]) -> dict[str, Any]:
     """One trace @ chunk @ load: the stock baselines, then every candidate checked against them."""
     trace, chunk, load, seeds = args
-    scale = tr.Scale(f"gpu{TRACE_CHUNK}", TRACE_CHUNK, MAX_PROMPT, OUTPUTS[0], OUTPUTS[1], 1 / 4, 14.0)
+    scale = tr.gpu_scale(TRACE_CHUNK, MAX_PROMPT, *OUTPUTS)
     cap = se.capacity(tr.make(trace, scale, CAL_REQUESTS, 99), chunk, se.COSTS["h100_8l"], pool_tokens=POOL)
     rate, jobs = load * cap, [tr.make(trace, scale, 30, seed) for seed in range(seeds)]
     stock = {p: _means(jobs, rate, chunk, p, None) for p in STOCK}

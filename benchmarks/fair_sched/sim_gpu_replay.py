@@ -93,8 +93,7 @@ def seed_runs(jobs: list[list[Any]], rate: float, chunk: int, cm: Any, long_toke
 
 
 def simulate_cell(c: dict[str, Any], seeds: int) -> dict[str, Any]:
-    scale = tr.Scale(f"gpu{c['trace_chunk']}", c["trace_chunk"], c["max_prompt"], c["out_tokens"][0], c["out_tokens"][1],
-                     1 / 4, 14.0)
+    scale = tr.gpu_scale(c["trace_chunk"], c["max_prompt"], *c["out_tokens"])
     cm, chunk = se.COSTS["h200"], c["chunk"]
     cal = tr.make(c["trace"], scale, c["cal_requests"], 99)
     cap = se.capacity(cal, chunk, cm)

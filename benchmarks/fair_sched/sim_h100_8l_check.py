@@ -34,11 +34,11 @@ import sim_engine as se  # noqa: E402
 import traces as tr  # noqa: E402
 from sim_gpu_replay import seed_runs  # noqa: E402
 
-from kllm_plugins.bench.record import build_summary, write_summary  # noqa: E402
+from kllm_plugins.bench.record import record  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU = ROOT / "benchmarks" / "results" / "fair_sched" / "gpu_issue_lognormal_2048_8l_timing_fixed.json"
-OUT = ROOT / "benchmarks" / "results" / "fair_sched" / "sim_h100_8l_check.json"
+OUT = "sim_h100_8l_check"  # benchmarks/results/fair_sched/<this>.json
 SETUPS = {  # name: (policy, fair_sched options); fair_sched reads the clock with the one-pass lag
     "shortest-prefill-first": ("shortest-prefill-first", None),
     "hrrn": ("hrrn", None),
@@ -51,8 +51,7 @@ KEYS = {"tpot": ("tpot_s", "mean"), "p99": ("ttft_s", "p99"), "mean": ("ttft_s",
 def replay(trace: str, s: dict[str, Any], seeds: int, pool: int | None = None) -> dict[str, Any]:
     """The model's capacity and, per setup, its ratios to fcfs on seed 0 and of `seeds`-seed means;
     `pool`: with a KV pool of that many tokens (`sim_engine.Engine.pool`), capacity included."""
-    scale = tr.Scale(f"gpu{s['trace_chunk']}", s["trace_chunk"], s["max_prompt"], s["output_tokens"][0],
-                     s["output_tokens"][1], 1 / 4, 14.0)
+    scale = tr.gpu_scale(s["trace_chunk"], s["max_prompt"], *s["output_tokens"])
     cm, chunk = se.COSTS["h100_8l"], s["chunks"][0]
     cap = se.capacity(tr.make(trace, scale, s["cal_requests"], 99), chunk, cm, pool_tokens=pool)
     jobs = [tr.make(trace, scale, s["requests"], seed) for seed in range(seeds)]
@@ -103,11 +102,10 @@ def main() -> int:
                 print(f"  {name:24s} {line}" + (f"  decode share while waiting (model) {share['seed0']:.3f} / "
                                                  f"{share['median']:.3f}" if share else ""))
     if a.record:
-        summary = build_summary(f"python benchmarks/fair_sched/sim_h100_8l_check.py --seeds {a.seeds} --record",
-                                metrics, shared=grid.SIM_SHARED, seeds=a.seeds, gpu_file=GPU.name,
-                                kind="simulation (costs fitted to the 8-layer H100 run) beside that run")
-        write_summary(OUT, summary)
-        print(f"recorded {OUT}")
+        out = record("fair_sched", OUT, f"python benchmarks/fair_sched/sim_h100_8l_check.py --seeds {a.seeds} --record",
+                     metrics, shared=grid.SIM_SHARED, seeds=a.seeds, gpu_file=GPU.name,
+                     kind="simulation (costs fitted to the 8-layer H100 run) beside that run")
+        print(f"recorded {out}")
     return 0
 
 

@@ -56,6 +56,13 @@ class Scale:
     block: int = 128
 
 
+def gpu_scale(trace_chunk: int, max_prompt: int, out_lo: int, out_hi: int) -> Scale:
+    """The GPU harness's scale (benchmarks/gpu/fair_sched_gpu.py): lengths in chunks of `trace_chunk`
+    cut at `max_prompt`, outputs of `out_lo`-`out_hi` tokens; the simulations that replay its runs
+    build the same."""
+    return Scale(f"gpu{trace_chunk}", trace_chunk, max_prompt, out_lo, out_hi, 1 / 4, 14.0)
+
+
 SCALES = {
     "cpu": Scale("cpu", 128, 8192 - 64, 16, 32, 1 / 16, 14.0),
     "production": Scale("production", 8192, 500_000, 64, 512, 1.0, 14.0),

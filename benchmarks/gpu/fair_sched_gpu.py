@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "fair_sched"))
 from gpu_bench_common import Setup, header, log, write  # noqa: E402
 from serving import MIXED, Job, fair_totals, mixed_stock, parse_variant, run_jobs  # noqa: E402
 from targets import STOCK, check as check_targets  # noqa: E402
-from traces import Scale, make, prompt_ids  # noqa: E402
+from traces import gpu_scale, make, prompt_ids  # noqa: E402
 from workload import summarize  # noqa: E402
 
 POLICIES = ("fcfs", "lpm", "shortest-prefill-first", "hrrn", "fair_sched")
@@ -103,7 +103,7 @@ def main() -> int:
     loads = a.loads or [a.load]
     shape = {"num_hidden_layers": a.layers} if a.layers else {}
     setup = Setup(a.cpu_dry_run, max_positions=max(8192, a.max_prompt + 1024), **shape)
-    scale = Scale(f"gpu{a.trace_chunk}", a.trace_chunk, a.max_prompt, a.out_tokens[0], a.out_tokens[1], 1 / 4, 14.0)
+    scale = gpu_scale(a.trace_chunk, a.max_prompt, *a.out_tokens)
     res = header("benchmarks/gpu/fair_sched_gpu.py", "python " + " ".join(sys.argv), setup,
                  {"traces": a.traces, "variants": a.variant, "mixed_chunk_stock": a.mixed_chunk_stock, "layers": a.layers or 32, "trace_chunk": a.trace_chunk, "max_prompt": a.max_prompt, "requests": a.requests,
                   "load": loads[0] if len(loads) == 1 else loads, "seeds": a.seeds, "chunks": a.chunks, "policies": a.policies, "cal_requests": a.cal_requests,
