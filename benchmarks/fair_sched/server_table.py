@@ -102,6 +102,12 @@ def pass_timing(d: dict[str, Any], trace: str, chunk: str, policy: str, load: st
     return " / ".join(f"lag {int(v)}" for v in sorted(lags)) or "before fix"
 
 
+def gpu_label(d: dict[str, Any]) -> str:
+    """The card of a GPU file, and its layers where fewer than the 8B shape's 32 ("H100, 8 layers")."""
+    layers = d["settings"].get("layers", 32)
+    return d["machine"]["gpu"].replace("NVIDIA ", "").split()[0] + ("" if layers == 32 else f", {layers} layers")
+
+
 def exited_cell(policy: str, against: dict[str, Any] | None) -> str:
     """A stock server that exited, with fair_sched's mean and short P90 against it on the seeds it ran
     (recorded by the GPU driver as `exited_stock`), which the targets leave out."""
@@ -127,13 +133,11 @@ def gpu_table(folder: Path = RESULTS) -> str:
             load = at[0] if at else None
             if "targets" not in cell:
                 continue
-            layers = s.get("layers", 32)
-            gpu = d["machine"]["gpu"].replace("NVIDIA ", "").split()[0] + ("" if layers == 32 else f", {layers} layers")
-            # the driver's metrics name the servers that exited before the cell's last seed
-            died = cell.get("exited", [])
+            gpu = gpu_label(d)
             stock_tpot = " / ".join(f"{cell[p]['vs_fcfs']['tpot_s_mean']:.2f}" if "vs_fcfs" in cell.get(p, {}) else "-"
                                     for p in ("shortest-prefill-first", "hrrn"))
-            died = [exited_cell(q, cell.get("exited_stock", {}).get(q)) for q in died]
+            # the driver's metrics name the servers that exited before the cell's last seed
+            died = [exited_cell(q, cell.get("exited_stock", {}).get(q)) for q in cell.get("exited", [])]
             for ours, t in [("fair_sched", cell["targets"]), *sorted(cell.get("variant_targets", {}).items())]:
                 marks = [("-" if t[k]["value"] != t[k]["value"] else f"{t[k]['value']:.2f}" + ("" if t[k]["met"] else " *"))
                          for k, _ in COLUMNS]
@@ -160,7 +164,7 @@ def trade_table(folder: Path = RESULTS) -> str:
         d = json.loads(path.read_text(encoding="utf-8"))
         if not isinstance(d["settings"].get("load"), list):
             continue
-        gpu = d["machine"]["gpu"].replace("NVIDIA ", "").split()[0] + f", {d['settings'].get('layers', 32)} layers"
+        gpu = gpu_label(d)
         for key, cell in d["metrics"].items():
             trace, chunk, load = key.split("@")
             if "fcfs" not in cell:
