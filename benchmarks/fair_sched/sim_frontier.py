@@ -9,8 +9,9 @@ setting would, on all five traces of the family and both loads:
 
 * fair_sched over a family of settings: its order weight (`age_weight`, from near-FCFS to
   shortest-first), its decode steps (`decode_share`, or `decode_time_share` with `decode_share` 0),
-  SGLang's mixed chunk (`mixed_decode`), the chunk cut for riders (`long_min_share`) and several
-  partial prefills (`max_partial_prefills`), reading the clock as under SGLang's overlap scheduler
+  SGLang's mixed chunk (`mixed_decode`), the chunk cut for riders (`long_min_share`), the riders'
+  tokens beyond the pass budget (`short_extra_tokens`) and several partial prefills
+  (`max_partial_prefills`), reading the clock as under SGLang's overlap scheduler
   with its one-pass lag (as on the GPU);
 * the stock orders with SGLang's mixed chunk on (`--enable-mixed-chunk`; the model does not take
   the decode rows out of the stock pass budget, under 2% of it here).
@@ -59,14 +60,25 @@ DECODE = (("decode_share=0",), ("decode_share=0.04",), ("decode_share=0.15",),
 MIXED = (False, True)
 LONG_MIN_SHARES = (0.1, 0.25, 0.5)
 MAX_PARTIAL = (1, 2)
+SHORT_EXTRA = (-1, 512, 0)  # riders' tokens beyond the pass budget: 3 budgets (the default), 512, none
+
+DEFAULTS = "age_weight=32,decode_share=0.04,mixed_decode=0,long_min_share=0.25,max_partial_prefills=1"
+REFERENCES = {"fair_sched defaults": DEFAULTS,
+              "fair_sched defaults + mixed_decode": DEFAULTS.replace("mixed_decode=0", "mixed_decode=1"),
+              "shortest-prefill-first": "shortest-prefill-first (stock)", "hrrn": "hrrn (stock)",
+              **{f"{p} + mixed chunk": f"{p} + mixed chunk" for p in STOCK}}
+# the riders' extra tokens under the defaults with mixed chunk: ratios kept in every cell
+EXTRA_REFS = {f"fair_sched defaults + mixed_decode, short_extra_tokens={x}":
+              REFERENCES["fair_sched defaults + mixed_decode"] + f",short_extra_tokens={x}" for x in (512, 0)}
 
 
 def family() -> list[tuple[str, str, tuple[str, ...] | None]]:
     """(name, policy, fair_sched options; None for a stock order) of every candidate."""
     out: list[tuple[str, str, tuple[str, ...] | None]] = [(f"{p} + mixed chunk", se.MixedStock(p), None) for p in STOCK]
-    for w, dec, mixed, lms, mp in itertools.product(AGE_WEIGHTS, DECODE, MIXED, LONG_MIN_SHARES, MAX_PARTIAL):
+    for w, dec, mixed, lms, mp, extra in itertools.product(AGE_WEIGHTS, DECODE, MIXED, LONG_MIN_SHARES,
+                                                           MAX_PARTIAL, SHORT_EXTRA):
         env = (f"age_weight={w:g}", *dec, f"mixed_decode={int(mixed)}", f"long_min_share={lms}",
-               f"max_partial_prefills={mp}")
+               f"max_partial_prefills={mp}", *((f"short_extra_tokens={extra}",) if extra >= 0 else ()))
         out.append((",".join(env), "fair_sched", env))
     return out
 
@@ -95,7 +107,10 @@ def cell(args: tuple[str, int, float, int]) -> dict[str, Any]:
     results = [_checked(name, _means(jobs, rate, chunk, policy, env), stock) for name, policy, env in family()]
     # the stock orders themselves, for reference
     results += [_checked(f"{p} (stock)", stock[p], stock) for p in ("shortest-prefill-first", "hrrn")]
-    return {"capacity_req_s": round(cap, 4), **digest(results), "candidates": len(results)}
+    named = {**REFERENCES, **EXTRA_REFS}
+    by_name = {r["name"]: r["ratios"] for r in results}
+    refs = {label: by_name[name] for label, name in named.items()}
+    return {"capacity_req_s": round(cap, 4), **digest(results), "candidates": len(results), "references": refs}
 
 
 MEAN, P99, TPOT = "mean <= best stock", "p99 <= fcfs", "tpot <= 1.3x fcfs"
@@ -124,14 +139,34 @@ def digest(results: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+TOP = 12  # settings listed among those that meet the most cells
+
+
+def cells_met(metrics: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """How many cells each candidate meets every target in: the references' counts and the
+    settings that meet the most. Replaces each cell's `meet_all` names by their count (the names of
+    every cell would not fit a result summary)."""
+    counts: dict[str, int] = {}
+    for m in metrics.values():
+        for name in m["meet_all"]:
+            counts[name] = counts.get(name, 0) + 1
+        m["meet_all"] = len(m["meet_all"])
+    fair = {k: v for k, v in counts.items() if "(stock)" not in k and "mixed chunk" not in k}
+    most = max(fair.values(), default=0)
+    best = sorted(k for k, v in fair.items() if v == most) if most else []
+    return {"references": {k: counts.get(v, 0) for k, v in REFERENCES.items()},
+            "fair_sched_most": {"cells": most, "settings": len(best), "first": best[:TOP]}}
+
+
 def run(seeds: int, chunks: list[int], workers: int) -> dict[str, Any]:
     keys = [(t, c, load, seeds) for c in chunks for t in tr.TRACES for load in grid.LOADS]
     with ProcessPoolExecutor(max_workers=workers) as ex:
         cells = list(ex.map(cell, keys))
     metrics = {f"{t}@{c}@{load}": v for (t, c, load, _), v in zip(keys, cells)}
+    met = cells_met(metrics)
     cmd = f"python benchmarks/fair_sched/sim_frontier.py --seeds {seeds} --chunks {' '.join(map(str, chunks))}"
     return build_summary(cmd, metrics, shared=grid.SIM_SHARED, seeds=seeds, requests_per_seed=30,
-                         costs="h100_8l", pool_tokens=POOL, candidates=len(family()) + 2,
+                         costs="h100_8l", pool_tokens=POOL, candidates=len(family()) + 2, cells_met=met,
                          kind="simulation (costs fitted to the 8-layer H100 run): a search over settings")
 
 
@@ -150,9 +185,37 @@ def table(summary: dict[str, Any]) -> str:
     for key, m in summary["metrics"].items():
         near = m["nearest"]
         missed = ", ".join(f"{k.split(' ')[0]} {near['ratios'][k]:.2f}" for k in near["missed"]) or "nothing"
-        body.append(f"| {key.replace('@', ' @ ')} | {len(m['meet_all'])} of {m['candidates']} | "
+        met = m["meet_all"] if isinstance(m["meet_all"], int) else len(m["meet_all"])
+        body.append(f"| {key.replace('@', ' @ ')} | {met} of {m['candidates']} | "
                     f"{_fmt(m['best_tpot_at_mean'])} | {_fmt(m['best_tpot_at_mean_and_p99'])} | {missed} |")
+    body += _extra_table(summary)
+    met = summary.get("cells_met")
+    if met:
+        most = met["fair_sched_most"]
+        refs = "; ".join(f"{k.replace('shortest-prefill-first', 'SPF')} {v}" for k, v in met["references"].items())
+        body += ["", f"Cells of {len(summary['metrics'])} where every target holds: {refs}; any one other fair_sched "
+                     f"setting at most {most['cells']} ({most['settings']} settings do, among them "
+                     f"`{most['first'][0] if most['first'] else '-'}`)."]
     return "\n".join(head + body) + "\n"
+
+
+REF_COLUMNS = ("fair_sched defaults + mixed_decode", *EXTRA_REFS, "shortest-prefill-first + mixed chunk")
+
+
+def _extra_table(summary: dict[str, Any]) -> list[str]:
+    """Mean / P99 / TPOT ratios of the defaults with mixed chunk at each `short_extra_tokens`, and of
+    stock shortest-prefill-first with mixed chunk, per cell (where the summary kept them)."""
+    if not all("references" in m for m in summary["metrics"].values()):
+        return []
+    head = ["", "Mean (vs the best stock policy) / P99 / TPOT (vs fcfs) of fair_sched's defaults with "
+                "`mixed_decode`, by `short_extra_tokens`, and of stock shortest-prefill-first with mixed chunk:", "",
+            "| trace @ chunk @ load | three budgets (default) | 512 | 0 | SPF + mixed chunk |", "|---|---|---|---|---|"]
+    rows = []
+    for key, m in summary["metrics"].items():
+        cols = [m["references"][c] for c in REF_COLUMNS]
+        rows.append(f"| {key.replace('@', ' @ ')} | " + " | ".join(
+            f"{r[MEAN]:.2f} / {r[P99]:.2f} / {r[TPOT]:.2f}" for r in cols) + " |")
+    return head + rows
 
 
 def render(text: str, summary: dict[str, Any]) -> str:

@@ -33,6 +33,24 @@ def test_digest_picks_tpot_only_among_candidates_that_win_the_mean(bench_module:
     assert sf.digest(results[:1])["best_tpot_at_mean"] is None
 
 
+def test_cells_met_counts_each_setting_across_cells_and_keeps_counts_in_the_cells(
+        bench_module: Callable[[str, str], ModuleType]) -> None:
+    sf = bench_module("fair_sched", "sim_frontier")
+    mixed = sf.DEFAULTS.replace("mixed_decode=0", "mixed_decode=1")
+    metrics = {"a@2048@0.6": {"meet_all": [sf.DEFAULTS, mixed, "x", "shortest-prefill-first (stock)"]},
+               "b@2048@0.6": {"meet_all": [mixed, "x", "shortest-prefill-first + mixed chunk"]},
+               "c@2048@0.6": {"meet_all": []}}
+    met = sf.cells_met(metrics)
+    assert [m["meet_all"] for m in metrics.values()] == [4, 3, 0]
+    assert met["references"]["fair_sched defaults"] == 1
+    assert met["references"]["fair_sched defaults + mixed_decode"] == 2
+    assert met["references"]["shortest-prefill-first"] == 1
+    assert met["references"]["shortest-prefill-first + mixed chunk"] == 1
+    assert met["references"]["hrrn"] == 0
+    # the stock orders do not count as fair_sched settings
+    assert met["fair_sched_most"] == {"cells": 2, "settings": 2, "first": sorted([mixed, "x"])}
+
+
 def test_a_stock_order_with_mixed_chunk_decodes_inside_prefill_passes(bench_module: Callable[[str, str], ModuleType]) -> None:
     se = bench_module("fair_sched", "sim_engine")
     tr = bench_module("fair_sched", "traces")
@@ -50,6 +68,7 @@ def test_the_family_covers_every_decode_setting_with_and_without_mixed_chunk(
     sf = bench_module("fair_sched", "sim_frontier")
     fam = sf.family()
     names = [n for n, _, _ in fam]
-    assert len(names) == len(set(names)) == 3 + 5 * 7 * 2 * 3 * 2
+    assert len(names) == len(set(names)) == 3 + 5 * 7 * 2 * 3 * 2 * 3
     fair = [env for _, p, env in fam if p == "fair_sched"]
     assert any("mixed_decode=1" in e and "decode_time_share=0.2" in e and "max_partial_prefills=2" in e for e in fair)
+    assert sf.DEFAULTS in names and any("short_extra_tokens=0" in e for e in fair)
