@@ -63,10 +63,11 @@ MAX_PARTIAL = (1, 2)
 SHORT_EXTRA = (-1, 512, 0)  # riders' tokens beyond the pass budget: 3 budgets (the default), 512, none
 
 DEFAULTS = "age_weight=32,decode_share=0.04,mixed_decode=0,long_min_share=0.25,max_partial_prefills=1"
-REFERENCES = {"fair_sched defaults": DEFAULTS,
-              "fair_sched defaults + mixed_decode": DEFAULTS.replace("mixed_decode=0", "mixed_decode=1"),
-              "shortest-prefill-first": "shortest-prefill-first (stock)", "hrrn": "hrrn (stock)",
+# candidates named in the summary (label: candidate name); the stock ones are not fair_sched settings
+STOCK_REFS = {"shortest-prefill-first": "shortest-prefill-first (stock)", "hrrn": "hrrn (stock)",
               **{f"{p} + mixed chunk": f"{p} + mixed chunk" for p in STOCK}}
+REFERENCES = {"fair_sched defaults": DEFAULTS,
+              "fair_sched defaults + mixed_decode": DEFAULTS.replace("mixed_decode=0", "mixed_decode=1"), **STOCK_REFS}
 # the riders' extra tokens under the defaults with mixed chunk: ratios kept in every cell
 EXTRA_REFS = {f"fair_sched defaults + mixed_decode, short_extra_tokens={x}":
               REFERENCES["fair_sched defaults + mixed_decode"] + f",short_extra_tokens={x}" for x in (512, 0)}
@@ -151,7 +152,8 @@ def cells_met(metrics: dict[str, dict[str, Any]]) -> dict[str, Any]:
         for name in m["meet_all"]:
             counts[name] = counts.get(name, 0) + 1
         m["meet_all"] = len(m["meet_all"])
-    fair = {k: v for k, v in counts.items() if "(stock)" not in k and "mixed chunk" not in k}
+    stock = set(STOCK_REFS.values())
+    fair = {k: v for k, v in counts.items() if k not in stock}
     most = max(fair.values(), default=0)
     best = sorted(k for k, v in fair.items() if v == most) if most else []
     return {"references": {k: counts.get(v, 0) for k, v in REFERENCES.items()},
@@ -185,17 +187,15 @@ def table(summary: dict[str, Any]) -> str:
     for key, m in summary["metrics"].items():
         near = m["nearest"]
         missed = ", ".join(f"{k.split(' ')[0]} {near['ratios'][k]:.2f}" for k in near["missed"]) or "nothing"
-        met = m["meet_all"] if isinstance(m["meet_all"], int) else len(m["meet_all"])
-        body.append(f"| {key.replace('@', ' @ ')} | {met} of {m['candidates']} | "
+        body.append(f"| {key.replace('@', ' @ ')} | {m['meet_all']} of {m['candidates']} | "
                     f"{_fmt(m['best_tpot_at_mean'])} | {_fmt(m['best_tpot_at_mean_and_p99'])} | {missed} |")
     body += _extra_table(summary)
-    met = summary.get("cells_met")
-    if met:
-        most = met["fair_sched_most"]
-        refs = "; ".join(f"{k.replace('shortest-prefill-first', 'SPF')} {v}" for k, v in met["references"].items())
-        body += ["", f"Cells of {len(summary['metrics'])} where every target holds: {refs}; any one other fair_sched "
-                     f"setting at most {most['cells']} ({most['settings']} settings do, among them "
-                     f"`{most['first'][0] if most['first'] else '-'}`)."]
+    met = summary["cells_met"]
+    most = met["fair_sched_most"]
+    refs = "; ".join(f"{k.replace('shortest-prefill-first', 'SPF')} {v}" for k, v in met["references"].items())
+    body += ["", f"Cells of {len(summary['metrics'])} where every target holds: {refs}; any one other fair_sched "
+                 f"setting at most {most['cells']} ({most['settings']} settings do, among them "
+                 f"`{most['first'][0] if most['first'] else '-'}`)."]
     return "\n".join(head + body) + "\n"
 
 
@@ -204,9 +204,7 @@ REF_COLUMNS = ("fair_sched defaults + mixed_decode", *EXTRA_REFS, "shortest-pref
 
 def _extra_table(summary: dict[str, Any]) -> list[str]:
     """Mean / P99 / TPOT ratios of the defaults with mixed chunk at each `short_extra_tokens`, and of
-    stock shortest-prefill-first with mixed chunk, per cell (where the summary kept them)."""
-    if not all("references" in m for m in summary["metrics"].values()):
-        return []
+    stock shortest-prefill-first with mixed chunk, per cell."""
     head = ["", "Mean (vs the best stock policy) / P99 / TPOT (vs fcfs) of fair_sched's defaults with "
                 "`mixed_decode`, by `short_extra_tokens`, and of stock shortest-prefill-first with mixed chunk:", "",
             "| trace @ chunk @ load | three budgets (default) | 512 | 0 | SPF + mixed chunk |", "|---|---|---|---|---|"]

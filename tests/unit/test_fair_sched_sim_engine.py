@@ -115,7 +115,7 @@ def test_with_a_request_suspended_no_other_starts_a_partial_prefill(
     tr = bench_module("fair_sched", "traces")
     grid = bench_module("fair_sched", "grid")
     env = ["age_weight=32", "decode_share=0", "decode_time_share=0.35", "long_min_share=0.1", "max_partial_prefills=2"]
-    scale = tr.Scale("gpu2048", 2048, 40960, 32, 128, 1 / 4, 14.0)
+    scale = tr.gpu_scale(2048, 40960, 32, 128)
     # the 8-layer H100 costs as they were when the stall was found (a 5.5 ms decode step): the
     # scenario, not the fit, is what this test needs, and it suspends under them
     cm, pool = dataclasses.replace(se.COSTS["h100_8l"], dec_base=0.0055), 57344
@@ -153,7 +153,7 @@ def test_a_yield_the_free_kv_cannot_hold_is_planned_again_not_a_stall(
     tr = bench_module("fair_sched", "traces")
     grid = bench_module("fair_sched", "grid")
     env = ["age_weight=2", "decode_share=0", "decode_time_share=0.35", "mixed_decode=1", "long_min_share=0.5"]
-    scale = tr.Scale("gpu2048", 2048, 40960, 32, 128, 1 / 4, 14.0)
+    scale = tr.gpu_scale(2048, 40960, 32, 128)
     cm, pool = dataclasses.replace(se.COSTS["h100_8l"], dec_base=0.0035), 57344  # the costs it was found on
     emptied = 0
     fit = se._fit_kv

@@ -24,7 +24,7 @@ def test_the_model_replays_the_requests_the_gpu_saw(bench_module: Callable[[str,
     sc = bench_module("fair_sched", "sim_gpu_replay")
     tr = bench_module("fair_sched", "traces")
     c = next(c for c in sc.gpu_cells() if c["trace"] == "issue")
-    scale = tr.Scale("gpu2048", 2048, c["max_prompt"], *c["out_tokens"], 1 / 4, 14.0)
+    scale = tr.gpu_scale(2048, c["max_prompt"], *c["out_tokens"])
     recorded = json.loads((sc.RESULTS / c["file"]).read_text())
     fcfs = [r for r in recorded["runs"] if r["trace"] == "issue" and r["policy"] == "fcfs"][0]
     # the GPU run's output tokens are the trace's (same seed, same scale), so the model's trace is the GPU's
