@@ -197,6 +197,18 @@ class MixedStock(str):
     mixed = True
 
 
+class StockWith(str):
+    """A stock order (its name) with SGLang's mixed chunk (`mixed`) and `--prefill-decode-interval`
+    (`decode_interval`: decode rounds after each prefill pass before the next prefill)."""
+    mixed = False
+    decode_interval = 0
+
+    def __new__(cls, name: str, mixed: bool = False, decode_interval: int = 0) -> "StockWith":
+        obj = super().__new__(cls, name)
+        obj.mixed, obj.decode_interval = mixed, decode_interval
+        return obj
+
+
 def plan_stock(e: Engine, policy: str) -> list[tuple[Req, int]]:
     rows: list[tuple[Req, int]] = []
     budget = e.chunk
@@ -346,6 +358,8 @@ def simulate(trace: list[TraceRequest], rate: float, policy: Any, chunk: int, cm
     nxt = finished = 0
     began = 0.0  # when the last pass started
     replans = 0  # passes in a row whose planned rows the KV pool could not hold, nothing running
+    interval = int(getattr(policy, "decode_interval", 0) or 0)  # SGLang's --prefill-decode-interval
+    deferred = 0  # decode rounds still owed before the next prefill
     while finished < len(reqs):
         while nxt < len(reqs) and reqs[nxt].arrival <= e.t:
             reqs[nxt].clock = e.clock
@@ -355,6 +369,16 @@ def simulate(trace: list[TraceRequest], rate: float, policy: Any, chunk: int, cm
             e.t = began = reqs[nxt].arrival
             continue
         e.seen_t = began if overlap else e.t
+        if deferred and e.running:
+            # SGLang's _should_defer_prefill: no prefill is planned this round, the running requests decode
+            deferred -= 1
+            if not isinstance(policy, str):
+                policy.note_decode(e.seen_t)
+            began = e.t
+            e.t += cm.decode([r.work + r.tokens for r in e.running])
+            finished += _decode_one_token(e)
+            continue
+        deferred = 0
         rows = plan_stock(e, policy) if isinstance(policy, str) else policy.plan(e)
         planned = bool(rows)
         if rows and e.pool is not None:
@@ -374,6 +398,7 @@ def simulate(trace: list[TraceRequest], rate: float, policy: Any, chunk: int, cm
                 e.t += cm.decode([r.work + r.tokens for r in e.running]) - cm.dec_base
                 finished += _decode_one_token(e)
             e.passes += 1
+            deferred = interval
             for r, k in rows:
                 if r.start_pass < 0:
                     r.start_pass = e.passes

@@ -253,6 +253,30 @@ def test_decode_cost_under_overlap_timing_is_the_decode_steps_own() -> None:
     assert unlagged.decode_cost_s > 0.2  # the prefill passes it waited on
 
 
+def test_decode_cost_ignores_a_prefill_launch_that_waits_for_its_own_pass() -> None:
+    # Overlap timing where launching a prefill pass blocks until that pass ends (a host sync in the
+    # launch): the plan call after a decode step then waits for the step and for the next prefill
+    # pass, and that interval carries the step's label. Only an interval between two decode
+    # passes measures a step alone. Prompts arrive in bursts: 12 passes with prefills, then 3
+    # with none (SGLang decodes).
+    pol = FairPolicy(params(decode_share=0.2))
+    pol.timing_lag = 1
+    waiting = [WaitingItem("w", 1000, 0, 0)]
+    now, queued = 0.0, 0.0  # queued: device time of the pass launched last, not yet awaited
+    for i in range(120):
+        busy = i % 20 < 17
+        plan = pol.plan(waiting if busy else [], decode_running=True, now=now, running_reqs=4)
+        if plan.action == "admit" and busy:
+            pol.note_prefill()
+            now, queued = now + queued + 0.3, 0.0  # the launch waits for both passes
+        else:
+            if plan.action != "yield":
+                pol.note_decode(now)  # nothing to prefill: SGLang decodes
+            now, queued = now + queued, 0.1  # launched; the previous pass is awaited
+    assert pol.total_yields_to_decode >= 10
+    assert pol.decode_cost_s == pytest.approx(0.1)
+
+
 def test_quota_growth_sequence_is_capped() -> None:
     p = params(base_quota_tokens=128, quota_growth=2.0, max_quota_tokens=1000)
     assert [p.quota_after(i) for i in range(6)] == [128, 256, 512, 1000, 1000, 1000]

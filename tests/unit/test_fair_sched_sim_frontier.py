@@ -37,16 +37,18 @@ def test_cells_met_counts_each_setting_across_cells_and_keeps_counts_in_the_cell
         bench_module: Callable[[str, str], ModuleType]) -> None:
     sf = bench_module("fair_sched", "sim_frontier")
     mixed = sf.DEFAULTS.replace("mixed_decode=0", "mixed_decode=1")
-    metrics = {"a@2048@0.6": {"meet_all": [sf.DEFAULTS, mixed, "x", "shortest-prefill-first (stock)"]},
-               "b@2048@0.6": {"meet_all": [mixed, "x", "shortest-prefill-first + mixed chunk"]},
+    spf_interval = sf.interval_name("shortest-prefill-first", False, 2)
+    metrics = {"a@2048@0.6": {"meet_all": [sf.DEFAULTS, mixed, "x", "shortest-prefill-first (stock)", spf_interval]},
+               "b@2048@0.6": {"meet_all": [mixed, "x", "shortest-prefill-first + mixed chunk", spf_interval]},
                "c@2048@0.6": {"meet_all": []}}
     met = sf.cells_met(metrics)
-    assert [m["meet_all"] for m in metrics.values()] == [4, 3, 0]
+    assert [m["meet_all"] for m in metrics.values()] == [5, 4, 0]
     assert met["references"]["fair_sched defaults"] == 1
     assert met["references"]["fair_sched defaults + mixed_decode"] == 2
     assert met["references"]["shortest-prefill-first"] == 1
     assert met["references"]["shortest-prefill-first + mixed chunk"] == 1
     assert met["references"]["hrrn"] == 0
+    assert met["stock_with_interval"][spf_interval] == 2 and met["stock_with_interval"][sf.interval_name("fcfs", True, 1)] == 0
     # the stock orders do not count as fair_sched settings
     assert met["fair_sched_most"] == {"cells": 2, "settings": 2, "first": sorted([mixed, "x"])}
 
@@ -63,12 +65,27 @@ def test_a_stock_order_with_mixed_chunk_decodes_inside_prefill_passes(bench_modu
     assert mixed[0].finish_s < mixed[1].first_s
 
 
+def test_prefill_decode_interval_decodes_between_prefill_passes(bench_module: Callable[[str, str], ModuleType]) -> None:
+    se = bench_module("fair_sched", "sim_engine")
+    tr = bench_module("fair_sched", "traces")
+    # SGLang's --prefill-decode-interval: N decode rounds after each prefill pass while requests decode
+    trace = [tr.TraceRequest(0.0, 60, 40, ()), tr.TraceRequest(0.001, 20000, 4, ())]
+    runs = {k: se.simulate(trace, 1.0, se.StockWith("fcfs", False, k), 2048, se.COSTS["h100_8l"]) for k in (0, 4)}
+    # without it the short one decodes only once the long one has its first token; with 4 decode
+    # rounds after each of the long prompt's 10 passes it finishes its 40 tokens before that ...
+    assert runs[0][0].finish_s > runs[0][1].first_s
+    assert runs[4][0].finish_s < runs[4][1].first_s
+    assert runs[4][1].first_s > runs[0][1].first_s  # ... and the long prompt's first token comes later
+    assert runs[0][1].first_s == se.simulate(trace, 1.0, "fcfs", 2048, se.COSTS["h100_8l"])[1].first_s
+
+
 def test_the_family_covers_every_decode_setting_with_and_without_mixed_chunk(
         bench_module: Callable[[str, str], ModuleType]) -> None:
     sf = bench_module("fair_sched", "sim_frontier")
     fam = sf.family()
     names = [n for n, _, _ in fam]
-    assert len(names) == len(set(names)) == 3 + 5 * 7 * 2 * 3 * 2 * 3
+    assert len(names) == len(set(names)) == 3 + 3 * 2 * 3 + 5 * 7 * 2 * 3 * 2 * 3
+    assert sf.interval_name("hrrn", True, 4) in names
     fair = [env for _, p, env in fam if p == "fair_sched"]
     assert any("mixed_decode=1" in e and "decode_time_share=0.2" in e and "max_partial_prefills=2" in e for e in fair)
     assert sf.DEFAULTS in names and any("short_extra_tokens=0" in e for e in fair)
