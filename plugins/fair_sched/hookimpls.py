@@ -9,6 +9,7 @@ from kllm_plugins.spec import OptionSpec, PatchSpec, PluginSpec, parse_bool
 
 ADAPTER = "kllm_plugins.plugins.fair_sched.sglang_adapter"
 PARTIALS = "kllm_plugins.plugins.fair_sched.sglang_partials"
+INTERVAL = "kllm_plugins.plugins.fair_sched.sglang_interval"
 _SCHED = "sglang.srt.managers.scheduler.Scheduler"
 _POLICY = "sglang.srt.managers.schedule_policy.SchedulePolicy"
 
@@ -31,6 +32,14 @@ PATCHES: tuple[PatchSpec, ...] = (
         "no SGLang queue; noted, the request is put back as chunked_req and handed to SGLang's chunked abort",
         upstream="a list of partially prefilled requests in the scheduler (chunked_req as one of several), which "
         "abort and retraction would walk",
+    ),
+    PatchSpec(
+        target=f"{_SCHED}._should_defer_prefill",
+        impl=f"{INTERVAL}:around_should_defer_prefill",
+        kind="around",
+        why="--prefill-decode-interval: a round SGLang decodes without planning a prefill never reaches the "
+        "pass planner; it is counted and timed as a decode step, so the decode rules add none right after it",
+        upstream="the per-pass prefill-planning hook (above), called on deferred rounds too",
     ),
     PatchSpec(
         target=f"{_POLICY}.calc_priority",

@@ -93,6 +93,7 @@ class _State:
             "loop_freed_tokens": 0,
             "loops_retracted": 0,
             "loop_retract_freed_tokens": 0,
+            "interval_decode_rounds": 0,
         }
         self.sched: Any = None
         self.writer = StatsWriter(PLUGIN, cfg.publish_interval_s)

@@ -296,3 +296,29 @@ def test_decode_time_share_decodes_several_steps_in_a_row_while_a_long_prompt_pr
         assert snap["waiting_prefill_s"] > 0 and snap["waiting_decode_s"] > 0, snap
         assert snap["yields_to_decode"] >= 2 and snap["recomputed_tokens"] == 0
         assert not fair.grep_log(r"Scheduler hit an exception|Traceback")
+
+
+def test_rounds_sglang_decodes_under_prefill_decode_interval_are_seen_as_decode_steps() -> None:
+    """SGLang's --prefill-decode-interval 1 decodes once after each prefill pass without reaching
+    fair_sched's pass planner: fair_sched counts and times those rounds as decode steps, so its
+    decode_share adds none of its own while the long prompt prefills; outputs equal stock's."""
+    pytest.importorskip("sglang")
+    from serving import Job, sglang_server
+
+    from kllm_plugins.models.tiny_llama import tiny_llama_path
+
+    model = str(tiny_llama_path())
+    args = ["--chunked-prefill-size", "64", "--schedule-policy", "fcfs", "--dtype", "float32",
+            "--prefill-decode-interval", "1"]
+    rng = random.Random(11)
+    ids = lambda n: [rng.randrange(5, 4090) for _ in range(n)]  # noqa: E731
+    jobs = [Job("long", 0.0, ids(2000), 4, "long"),
+            *(Job(f"short{i}", 0.05 + 0.05 * i, ids(40), 16, "short") for i in range(3))]
+    ref = _stock_outputs(model, args, jobs)
+    env = {"KLLM_FAIR_SCHED_PUBLISH_INTERVAL_S": "0.1"}
+    with sglang_server(model, plugins=["fair_sched"], extra_args=args, env=env) as fair:
+        _same_outputs(fair, jobs, ref)
+        snap = _wait_stats(fair, "long_finished", 1)
+        assert snap["interval_decode_rounds"] >= 5, snap
+        assert snap["yields_to_decode"] == 0 and snap["decode_step_ms"] > 0, snap
+        assert not fair.grep_log(r"Scheduler hit an exception|Traceback")

@@ -277,6 +277,31 @@ def test_decode_cost_ignores_a_prefill_launch_that_waits_for_its_own_pass() -> N
     assert pol.decode_cost_s == pytest.approx(0.1)
 
 
+def test_rounds_the_scheduler_decodes_without_a_plan_count_as_decode_steps() -> None:
+    # SGLang's --prefill-decode-interval 1: after each prefill pass the scheduler decodes once
+    # without calling plan. Handed to the policy, those rounds are the decode steps decode_share
+    # asks for (it adds none) and time the step; unseen, decode_share adds steps of its own.
+    def run(tell: bool) -> FairPolicy:
+        pol = FairPolicy(params(decode_share=0.2))
+        waiting, now = [WaitingItem("w", 1000, 0, 0)], 0.0
+        for _ in range(30):
+            plan = pol.plan(waiting, decode_running=True, now=now, running_reqs=4)
+            if plan.action == "yield":
+                now += 0.05
+                continue
+            pol.note_prefill()
+            now += 0.2  # the prefill pass, then SGLang's deferred decode round
+            if tell:
+                pol.note_unplanned_decode(now, prompts_wait=True)
+            now += 0.05
+        return pol
+
+    told, unseen = run(True), run(False)
+    assert told.total_yields_to_decode == 0 and told.decode_cost_s == pytest.approx(0.05)
+    assert told.waiting_s["decode"] == pytest.approx(29 * 0.05)
+    assert unseen.total_yields_to_decode >= 5
+
+
 def test_quota_growth_sequence_is_capped() -> None:
     p = params(base_quota_tokens=128, quota_growth=2.0, max_quota_tokens=1000)
     assert [p.quota_after(i) for i in range(6)] == [128, 256, 512, 1000, 1000, 1000]

@@ -379,6 +379,14 @@ class FairPolicy:
         self.prefills_since_decode = 0
         self._pass_kind = "decode"
 
+    def note_unplanned_decode(self, now: float, prompts_wait: bool) -> None:
+        """The scheduler decoded at clock `now` without calling `plan` (SGLang's
+        `--prefill-decode-interval` defers prefill for some rounds after each prefill pass): the
+        time since the last plan call is read as at a plan call, and the round counts as a decode
+        step, so the decode rules do not add one of their own right after it."""
+        self._clock(now, prompts_wait)
+        self.note_decode(now)
+
     def note_prefill(self) -> None:
         """A pass prefilled something (any request): it counts toward the next decode step."""
         self.prefills_since_decode += 1
