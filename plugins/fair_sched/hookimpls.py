@@ -10,6 +10,7 @@ from kllm_plugins.spec import OptionSpec, PatchSpec, PluginSpec, parse_bool
 ADAPTER = "kllm_plugins.plugins.fair_sched.sglang_adapter"
 PARTIALS = "kllm_plugins.plugins.fair_sched.sglang_partials"
 INTERVAL = "kllm_plugins.plugins.fair_sched.sglang_interval"
+LOOPS = "kllm_plugins.plugins.fair_sched.sglang_loops"
 _SCHED = "sglang.srt.managers.scheduler.Scheduler"
 _POLICY = "sglang.srt.managers.schedule_policy.SchedulePolicy"
 
@@ -69,14 +70,14 @@ PATCHES: tuple[PatchSpec, ...] = (
     ),
     PatchSpec(
         target="sglang.srt.managers.schedule_batch.Req.update_finish_state",
-        impl=f"{ADAPTER}:around_update_finish_state",
+        impl=f"{LOOPS}:around_update_finish_state",
         kind="around",
         why="cut outputs caught in a repetition loop with a clear finish reason (their KV is then freed by the normal finish path)",
         upstream="a pluggable stop-condition hook on Req",
     ),
     PatchSpec(
         target=f"{_SCHED}.update_running_batch",
-        impl=f"{ADAPTER}:around_update_running_batch",
+        impl=f"{LOOPS}:around_update_running_batch",
         kind="around",
         why="loop_action=retract: before the decode step, release the KV of outputs caught in a repetition loop "
         "and requeue them (where SGLang itself retracts under memory pressure)",
