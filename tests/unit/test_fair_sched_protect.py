@@ -177,7 +177,7 @@ def test_every_patch_target_is_declared_with_reason_and_upstream() -> None:
         assert patch.target.startswith("sglang.srt.") and patch.why and patch.upstream
         module, func = patch.impl.split(":")
         # the SGLang adapter modules (the only ones that touch SGLang objects)
-        assert module in ("kllm_plugins.plugins.fair_sched.sglang_adapter", "kllm_plugins.plugins.fair_sched.sglang_partials")
+        assert module in tuple(f"kllm_plugins.plugins.fair_sched.sglang_{m}" for m in ("adapter", "partials", "loops", "interval"))
         src = importlib.util.find_spec(module)
         assert src is not None and src.origin is not None
         assert f"def {func}(" in open(src.origin, encoding="utf-8").read()
