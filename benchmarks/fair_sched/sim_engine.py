@@ -191,15 +191,11 @@ def _fill(e: Engine, order: list[Req], rows: list[tuple[Req, int]], budget: int,
             break
 
 
-class MixedStock(str):
-    """A stock order (its name) with SGLang's mixed chunk on: `simulate` decodes the running
-    requests inside every prefill pass of a policy whose `mixed` is true."""
-    mixed = True
-
-
 class StockWith(str):
-    """A stock order (its name) with SGLang's mixed chunk (`mixed`) and `--prefill-decode-interval`
-    (`decode_interval`: decode rounds after each prefill pass before the next prefill)."""
+    """A stock order (its name) with SGLang's mixed chunk (`mixed`: `simulate` decodes the running
+    requests inside every prefill pass of a policy whose `mixed` is true) and
+    `--prefill-decode-interval` (`decode_interval`: decode rounds after each prefill pass before
+    the next prefill)."""
     mixed = False
     decode_interval = 0
 
@@ -369,17 +365,10 @@ def simulate(trace: list[TraceRequest], rate: float, policy: Any, chunk: int, cm
             e.t = began = reqs[nxt].arrival
             continue
         e.seen_t = began if overlap else e.t
-        if deferred and e.running:
-            # SGLang's _should_defer_prefill: no prefill is planned this round, the running requests decode
-            deferred -= 1
-            if not isinstance(policy, str):
-                policy.note_decode(e.seen_t)
-            began = e.t
-            e.t += cm.decode([r.work + r.tokens for r in e.running])
-            finished += _decode_one_token(e)
-            continue
-        deferred = 0
-        rows = plan_stock(e, policy) if isinstance(policy, str) else policy.plan(e)
+        # SGLang's _should_defer_prefill: no prefill is planned this round, the running requests decode
+        defer = bool(deferred and e.running)
+        deferred = deferred - 1 if defer else 0
+        rows = [] if defer else plan_stock(e, policy) if isinstance(policy, str) else policy.plan(e)
         planned = bool(rows)
         if rows and e.pool is not None:
             rows = _fit_kv(e, rows, list(getattr(policy, "suspended", {}).values()))

@@ -66,16 +66,18 @@ SHORT_EXTRA = (-1, 512, 0)  # riders' tokens beyond the pass budget: 3 budgets (
 INTERVALS = (1, 2, 4)  # SGLang's --prefill-decode-interval under the stock orders
 
 DEFAULTS = "age_weight=32,decode_share=0.04,mixed_decode=0,long_min_share=0.25,max_partial_prefills=1"
-# candidates named in the summary (label: candidate name); the stock ones are not fair_sched settings
+
+
 def interval_name(policy: str, mixed: bool, interval: int) -> str:
     return f"{policy}{' + mixed chunk' if mixed else ''} + prefill-decode-interval {interval}"
 
 
+# candidates named in the summary (label: candidate name); the stock ones are not fair_sched settings
 STOCK_REFS = {"shortest-prefill-first": "shortest-prefill-first (stock)", "hrrn": "hrrn (stock)",
               **{f"{p} + mixed chunk": f"{p} + mixed chunk" for p in STOCK}}
-INTERVAL_REFS = {interval_name(p, m, k): interval_name(p, m, k) for p in STOCK for m in MIXED for k in INTERVALS}
+INTERVAL_NAMES = tuple(interval_name(p, m, k) for p in STOCK for m in MIXED for k in INTERVALS)
 # kept per cell among the references: shortest-prefill-first with mixed chunk and the interval
-INTERVAL_CELL_REFS = {n: n for n in (interval_name("shortest-prefill-first", True, k) for k in (1, 4))}
+INTERVAL_CELL_NAMES = tuple(interval_name("shortest-prefill-first", True, k) for k in (1, 4))
 REFERENCES = {"fair_sched defaults": DEFAULTS,
               "fair_sched defaults + mixed_decode": DEFAULTS.replace("mixed_decode=0", "mixed_decode=1"), **STOCK_REFS}
 # the riders' extra tokens under the defaults with mixed chunk: ratios kept in every cell
@@ -85,7 +87,7 @@ EXTRA_REFS = {f"fair_sched defaults + mixed_decode, short_extra_tokens={x}":
 
 def family() -> list[tuple[str, str, tuple[str, ...] | None]]:
     """(name, policy, fair_sched options; None for a stock order) of every candidate."""
-    out: list[tuple[str, str, tuple[str, ...] | None]] = [(f"{p} + mixed chunk", se.MixedStock(p), None) for p in STOCK]
+    out: list[tuple[str, str, tuple[str, ...] | None]] = [(f"{p} + mixed chunk", se.StockWith(p, mixed=True), None) for p in STOCK]
     out += [(interval_name(p, m, k), se.StockWith(p, m, k), None) for p in STOCK for m in MIXED for k in INTERVALS]
     for w, dec, mixed, lms, mp, extra in itertools.product(AGE_WEIGHTS, DECODE, MIXED, LONG_MIN_SHARES,
                                                            MAX_PARTIAL, SHORT_EXTRA):
@@ -119,7 +121,7 @@ def cell(args: tuple[str, int, float, int]) -> dict[str, Any]:
     results = [_checked(name, _means(jobs, rate, chunk, policy, env), stock) for name, policy, env in family()]
     # the stock orders themselves, for reference
     results += [_checked(f"{p} (stock)", stock[p], stock) for p in ("shortest-prefill-first", "hrrn")]
-    named = {**REFERENCES, **EXTRA_REFS, **INTERVAL_CELL_REFS}
+    named = {**REFERENCES, **EXTRA_REFS, **{n: n for n in INTERVAL_CELL_NAMES}}
     by_name = {r["name"]: r["ratios"] for r in results}
     refs = {label: by_name[name] for label, name in named.items()}
     return {"capacity_req_s": round(cap, 4), **digest(results), "candidates": len(results), "references": refs}
@@ -163,12 +165,12 @@ def cells_met(metrics: dict[str, dict[str, Any]]) -> dict[str, Any]:
         for name in m["meet_all"]:
             counts[name] = counts.get(name, 0) + 1
         m["meet_all"] = len(m["meet_all"])
-    stock = set(STOCK_REFS.values()) | set(INTERVAL_REFS.values())
+    stock = {*STOCK_REFS.values(), *INTERVAL_NAMES}
     fair = {k: v for k, v in counts.items() if k not in stock}
     most = max(fair.values(), default=0)
     best = sorted(k for k, v in fair.items() if v == most) if most else []
     return {"references": {k: counts.get(v, 0) for k, v in REFERENCES.items()},
-            "stock_with_interval": {k: counts.get(v, 0) for k, v in INTERVAL_REFS.items()},
+            "stock_with_interval": {n: counts.get(n, 0) for n in INTERVAL_NAMES},
             "fair_sched_most": {"cells": most, "settings": len(best), "first": best[:TOP]}}
 
 
@@ -232,9 +234,7 @@ def _extra_table(summary: dict[str, Any]) -> list[str]:
 def _interval_lines(summary: dict[str, Any]) -> list[str]:
     """SGLang's --prefill-decode-interval under the stock orders: cells met, and per cell the
     ratios of shortest-prefill-first with mixed chunk at intervals 0, 1 and 4."""
-    counts = summary["cells_met"].get("stock_with_interval")
-    if not counts:
-        return []
+    counts = summary["cells_met"]["stock_with_interval"]
     most = max(counts.values())
     best = [k for k, v in counts.items() if v == most]
     lines = ["", f"SGLang's `--prefill-decode-interval` 1 / 2 / 4 under fcfs, shortest-prefill-first and hrrn, with "
@@ -245,7 +245,7 @@ def _interval_lines(summary: dict[str, Any]) -> list[str]:
              "| trace @ chunk @ load | 0 | 1 | 4 |", "|---|---|---|---|"]
     for key, m in summary["metrics"].items():
         refs = m["references"]
-        cols = [refs["shortest-prefill-first + mixed chunk"], *(refs[n] for n in INTERVAL_CELL_REFS)]
+        cols = [refs["shortest-prefill-first + mixed chunk"], *(refs[n] for n in INTERVAL_CELL_NAMES)]
         lines.append(f"| {key.replace('@', ' @ ')} | " + " | ".join(
             f"{r[MEAN]:.2f} / {r[P99]:.2f} / {r[TPOT]:.2f}" for r in cols) + " |")
     return lines

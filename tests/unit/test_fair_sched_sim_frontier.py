@@ -58,7 +58,7 @@ def test_a_stock_order_with_mixed_chunk_decodes_inside_prefill_passes(bench_modu
     tr = bench_module("fair_sched", "traces")
     # a short request decodes while a long one prefills chunk after chunk
     trace = [tr.TraceRequest(0.0, 60, 6, ()), tr.TraceRequest(0.001, 20000, 4, ())]
-    plain, mixed = (se.simulate(trace, 1.0, p, 2048, se.COSTS["h100_8l"]) for p in ("fcfs", se.MixedStock("fcfs")))
+    plain, mixed = (se.simulate(trace, 1.0, p, 2048, se.COSTS["h100_8l"]) for p in ("fcfs", se.StockWith("fcfs", mixed=True)))
     # fcfs never decodes while a prompt waits for its next chunk; with mixed chunk the short one
     # finishes while the long one still prefills
     assert plain[0].finish_s > plain[1].first_s
