@@ -22,7 +22,6 @@ def around_should_defer_prefill(original: Callable[..., Any], self: Any, *args: 
         return deferred
     running = args[0] if args else kwargs.get("running_batch")
     if running is not None and not running.is_empty():
-        prompts_wait = bool(self.waiting_queue) or self.chunked_req is not None or bool(st.suspended_reqs)
-        st.policy.note_unplanned_decode(time.monotonic(), prompts_wait)
+        st.policy.note_unplanned_decode(time.monotonic(), bool(self.waiting_queue))
         st.counters["interval_decode_rounds"] += 1
     return deferred

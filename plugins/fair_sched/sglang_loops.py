@@ -16,19 +16,12 @@ from kllm_plugins.plugins.fair_sched.core.repetition import RepetitionDetector
 
 logger = logging.getLogger("kllm.fair_sched")
 
-PLUGIN = "fair_sched"
 LOOP_REASON = "repetition_loop"
 _loop_detectors: dict[str, RepetitionDetector] = {}
 _retract_pending: dict[str, tuple[int, int]] = {}
 """rid -> (period, loop length): looping requests to retract before the next decode step."""
 _loop_retracts: dict[str, int] = {}
 """rid -> loop retractions so far."""
-
-
-def reset_for_tests() -> None:
-    _loop_detectors.clear()
-    _retract_pending.clear()
-    _loop_retracts.clear()
 
 
 # -- Req.update_finish_state -------------------------------------------------------------------------
@@ -59,7 +52,7 @@ def _forget_loop(rid: str) -> None:
 
 def around_update_finish_state(original: Callable[..., Any], self: Any, new_accepted_len: int = 1) -> Any:
     result = original(self, new_accepted_len)
-    cfg = runtime.config_of(PLUGIN)
+    cfg = runtime.config_of(sglang_adapter.PLUGIN)
     if not cfg.loop_min_tokens:
         return result
     rid = self.rid
@@ -141,7 +134,7 @@ def _retract_loops(scheduler: Any, batch: Any) -> None:
             det.restart()
         scheduler._add_request_to_queue(req, is_retracted=True)
         logger.info("fair_sched: request %s retracted for a repetition loop (%d of %d) and requeued",
-                    rid, _loop_retracts[rid], runtime.config_of(PLUGIN).loop_max_retracts)
+                    rid, _loop_retracts[rid], runtime.config_of(sglang_adapter.PLUGIN).loop_max_retracts)
     if st is not None:
         st.counters["loops_retracted"] += len(reqs)
         st.counters["loop_retract_freed_tokens"] += freed

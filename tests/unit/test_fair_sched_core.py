@@ -292,7 +292,7 @@ def test_rounds_the_scheduler_decodes_without_a_plan_count_as_decode_steps() -> 
             pol.note_prefill()
             now += 0.2  # the prefill pass, then SGLang's deferred decode round
             if tell:
-                pol.note_unplanned_decode(now, prompts_wait=True)
+                pol.note_unplanned_decode(now, waiting=True)
             now += 0.05
         return pol
 

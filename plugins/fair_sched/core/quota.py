@@ -324,11 +324,11 @@ class FairPolicy:
         this replaced read many times the step: `decode_step_ms` in
         benchmarks/results/fair_sched/gpu_family_*_8l_h100.json)."""
         self._decode_samples: deque[float] = deque(maxlen=DECODE_SAMPLES)
-        self._clean_samples: deque[float] = deque(maxlen=DECODE_SAMPLES)
-        """Under the one-pass lag, the decode samples whose interval also ended in a decode launch:
-        a prefill launch can block until its own pass ends (a host sync), and the interval then
-        holds that prefill pass too (15-17 ms read for 3-6 ms steps on an H100 in
-        gpu_loads_2048_8l_h100.json). The estimate uses these once there are any."""
+        self._clean_only = False
+        """Under the one-pass lag, once an interval labelled decode also ended in a decode launch,
+        `_decode_samples` keeps only such intervals: a prefill launch can block until its own pass
+        ends (a host sync), and the interval then holds that prefill pass too (15-17 ms read for
+        3-6 ms steps on an H100 in gpu_loads_2048_8l_h100.json)."""
         self.last_decode_end_s = -math.inf
         self._keys: dict[str, float] = {}
         """Keys of the requests seen by the last `order` call (for `start_long`)."""
@@ -379,12 +379,13 @@ class FairPolicy:
         self.prefills_since_decode = 0
         self._pass_kind = "decode"
 
-    def note_unplanned_decode(self, now: float, prompts_wait: bool) -> None:
+    def note_unplanned_decode(self, now: float, waiting: bool) -> None:
         """The scheduler decoded at clock `now` without calling `plan` (SGLang's
-        `--prefill-decode-interval` defers prefill for some rounds after each prefill pass): the
-        time since the last plan call is read as at a plan call, and the round counts as a decode
-        step, so the decode rules do not add one of their own right after it."""
-        self._clock(now, prompts_wait)
+        `--prefill-decode-interval` defers prefill for some rounds after each prefill pass), with
+        requests `waiting` or not: the time since the last plan call is read as at a plan call,
+        and the round counts as a decode step, so the decode rules do not add one of their own
+        right after it."""
+        self._tick(now, waiting)
         self.note_decode(now)
 
     def note_prefill(self) -> None:
@@ -403,15 +404,28 @@ class FairPolicy:
         if self._last_plan_s is not None and kind is not None:
             took = max(now - self._last_plan_s, 0.0)
             if kind == "decode":
-                self._decode_samples.append(took)
-                if not self.timing_lag or self._pass_kind == "decode":
-                    self._clean_samples.append(took)
-                self.decode_cost_s = statistics.median(self._clean_samples or self._decode_samples)
+                clean = not self.timing_lag or self._pass_kind == "decode"
+                if clean and not self._clean_only:
+                    self._clean_only = True
+                    self._decode_samples.clear()
+                if clean or not self._clean_only:
+                    self._decode_samples.append(took)
+                self.decode_cost_s = statistics.median(self._decode_samples)
                 self.last_decode_end_s = now
             if prompts_wait:
                 self.waiting_s[kind] += took
         self._last_plan_s = now
         self._prev_kind, self._pass_kind = self._pass_kind, None
+
+    def _tick(self, now: float | None, waiting: bool) -> bool:
+        """A scheduling round at clock `now` (planned or not), with requests `waiting` or not:
+        time the pass before it and restart the `decode_time_share` account when no prompt waits.
+        Returns whether prompts wait (waiting, partially prefilled or suspended)."""
+        prompts_wait = waiting or self.active is not None or bool(self.suspended)
+        self._clock(now, prompts_wait)
+        if self.params.decode_time_share > 0 and not prompts_wait:
+            self._share_base = (self.waiting_s["prefill"], self.waiting_s["decode"])
+        return prompts_wait
 
     def _share_account(self) -> tuple[float, float]:
         """(prefill, decode) seconds in `waiting_s` since the `decode_time_share` account restarted."""
@@ -473,10 +487,7 @@ class FairPolicy:
         suspended request's KV, with neither able to go on; at 0 or below nothing is suspended."""
         p = self.params
         a = self.active
-        prompts_wait = bool(waiting) or a is not None or bool(self.suspended)
-        self._clock(now, prompts_wait)
-        if p.decode_time_share > 0 and not prompts_wait:  # the account restarts when no prompt waits
-            self._share_base = (self.waiting_s["prefill"], self.waiting_s["decode"])
+        prompts_wait = self._tick(now, bool(waiting))
         if decode_running and (self._decode_due(now, running_reqs) or (prompts_wait and self._time_share_due())):
             # Decode steps do not wait for the prefills (SGLang decodes only in passes without
             # one): one after every `decode_every_chunks` prefill passes, whoever they served.
