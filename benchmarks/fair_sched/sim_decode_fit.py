@@ -46,7 +46,7 @@ GRID_MS = [x / 4 for x in range(8, 25)]  # dec_base 2.0 .. 6.0 ms
 PRIOR_MS = 5.5  # the decode step `h100_8l` carried before this fit
 # name in the GPU file: (model policy, fair_sched options or None for a stock order)
 CHECKED = {"shortest-prefill-first": ("shortest-prefill-first", None), "hrrn": ("hrrn", None),
-           "shortest-prefill-first+mixed": (se.StockWith("shortest-prefill-first", mixed=True), None),
+           "shortest-prefill-first+mixed": (se.EngineWith("shortest-prefill-first", mixed=True), None),
            "fair_sched": ("fair_sched", []), "fair_sched/mixed": ("fair_sched", ["mixed_decode=1"])}
 
 

@@ -191,23 +191,34 @@ def _fill(e: Engine, order: list[Req], rows: list[tuple[Req, int]], budget: int,
             break
 
 
-class StockWith(str):
-    """A stock order (its name) with SGLang's mixed chunk (`mixed`: `simulate` decodes the running
-    requests inside every prefill pass of a policy whose `mixed` is true) and
-    `--prefill-decode-interval` (`decode_interval`: decode rounds after each prefill pass before
-    the next prefill)."""
+class EngineWith(str):
+    """A policy's name (a stock order, or `fair_sched`) with engine settings: SGLang's mixed chunk
+    (`mixed`, stock orders: `simulate` decodes the running requests inside every prefill pass of
+    a policy whose `mixed` is true; fair_sched takes it from `mixed_decode`),
+    `--prefill-decode-interval` (`decode_interval`, stock orders: decode rounds after each prefill
+    pass before the next prefill), and a decode chunk (`decode_chunk`, with mixed chunk: while
+    requests decode a pass prefills at most this many tokens, as Sarathi-Serve's token budget;
+    neither SGLang 0.5.23 nor the plugin has it)."""
     mixed = False
     decode_interval = 0
+    decode_chunk = 0
 
-    def __new__(cls, name: str, mixed: bool = False, decode_interval: int = 0) -> "StockWith":
+    def __new__(cls, name: str, mixed: bool = False, decode_interval: int = 0, decode_chunk: int = 0) -> "EngineWith":
         obj = super().__new__(cls, name)
-        obj.mixed, obj.decode_interval = mixed, decode_interval
+        obj.mixed, obj.decode_interval, obj.decode_chunk = mixed, decode_interval, decode_chunk
         return obj
+
+
+def pass_chunk(e: Engine, policy: Any) -> int:
+    """This pass's prefill budget: the chunk, or the policy's `decode_chunk` while requests decode
+    in mixed passes."""
+    d = getattr(policy, "decode_chunk", 0)
+    return min(e.chunk, d) if d and e.running and getattr(policy, "mixed", False) else e.chunk
 
 
 def plan_stock(e: Engine, policy: str) -> list[tuple[Req, int]]:
     rows: list[tuple[Req, int]] = []
-    budget = e.chunk
+    budget = pass_chunk(e, policy)
     order = _stock_order(e, policy)
     slot_free = True
     if e.partial:
@@ -224,7 +235,8 @@ def plan_stock(e: Engine, policy: str) -> list[tuple[Req, int]]:
 class FairSingle:
     """The plugin's FairPolicy on SGLang's single partial slot (what the adapter does)."""
 
-    def __init__(self, params: QuotaParams, mixed: bool = False, kv_low_watermark: float = 1.0) -> None:
+    def __init__(self, params: QuotaParams, mixed: bool = False, kv_low_watermark: float = 1.0,
+                 decode_chunk: int = 0) -> None:
         self.pol = FairPolicy(params)
         self.suspended: dict[str, Req] = {}
         """Partially prefilled requests set aside (`max_partial_prefills` > 1), by rid."""
@@ -233,6 +245,8 @@ class FairSingle:
         prefill pass, each taking one token of the pass budget."""
         self.kv_low_watermark = kv_low_watermark
         """KV usage (of `Engine.pool`) from which no partial request is suspended, as in the adapter."""
+        self.decode_chunk = decode_chunk
+        """`EngineWith.decode_chunk` (0: none)."""
 
     def plan(self, e: Engine) -> list[tuple[Req, int]] | None:
         pol, p = self.pol, self.pol.params
@@ -248,7 +262,8 @@ class FairSingle:
             if c is not None:
                 e.partial.append(c)
         # mixed chunk: the decode rows take one budget token each, and the policy plans on what is left
-        budget = max(e.chunk - len(e.running), 1) if self.mixed else e.chunk
+        chunk = pass_chunk(e, self)
+        budget = max(chunk - len(e.running), 1) if self.mixed else chunk
         # as the adapter: nothing is suspended once KV usage reaches the low watermark, nor for a
         # newcomer whose whole prompt would take it past (a suspended request keeps its KV)
         room = None if e.pool is None else int(self.kv_low_watermark * e.pool) - _kv_held(e, list(self.suspended.values()))
@@ -325,7 +340,7 @@ def make_policy(name: str, chunk: int, cfg: FairSchedConfig, max_partial: int = 
         return name
     qp = cfg.quota_params(chunk)
     if name == "fair_sched":
-        return FairSingle(qp, cfg.mixed_decode, cfg.kv_low_watermark)
+        return FairSingle(qp, cfg.mixed_decode, cfg.kv_low_watermark, getattr(name, "decode_chunk", 0))
     pp = PartialParams(chunk, qp.short_extra_tokens, max_partial, 1, 0, qp.age_weight)
     return FairMulti(pp, qp)
 

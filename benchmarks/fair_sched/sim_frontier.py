@@ -87,8 +87,8 @@ EXTRA_REFS = {f"fair_sched defaults + mixed_decode, short_extra_tokens={x}":
 
 def family() -> list[tuple[str, str, tuple[str, ...] | None]]:
     """(name, policy, fair_sched options; None for a stock order) of every candidate."""
-    out: list[tuple[str, str, tuple[str, ...] | None]] = [(f"{p} + mixed chunk", se.StockWith(p, mixed=True), None) for p in STOCK]
-    out += [(interval_name(p, m, k), se.StockWith(p, m, k), None) for p in STOCK for m in MIXED for k in INTERVALS]
+    out: list[tuple[str, str, tuple[str, ...] | None]] = [(f"{p} + mixed chunk", se.EngineWith(p, mixed=True), None) for p in STOCK]
+    out += [(interval_name(p, m, k), se.EngineWith(p, m, k), None) for p in STOCK for m in MIXED for k in INTERVALS]
     for w, dec, mixed, lms, mp, extra in itertools.product(AGE_WEIGHTS, DECODE, MIXED, LONG_MIN_SHARES,
                                                            MAX_PARTIAL, SHORT_EXTRA):
         env = (f"age_weight={w:g}", *dec, f"mixed_decode={int(mixed)}", f"long_min_share={lms}",

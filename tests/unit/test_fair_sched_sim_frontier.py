@@ -58,7 +58,7 @@ def test_a_stock_order_with_mixed_chunk_decodes_inside_prefill_passes(bench_modu
     tr = bench_module("fair_sched", "traces")
     # a short request decodes while a long one prefills chunk after chunk
     trace = [tr.TraceRequest(0.0, 60, 6, ()), tr.TraceRequest(0.001, 20000, 4, ())]
-    plain, mixed = (se.simulate(trace, 1.0, p, 2048, se.COSTS["h100_8l"]) for p in ("fcfs", se.StockWith("fcfs", mixed=True)))
+    plain, mixed = (se.simulate(trace, 1.0, p, 2048, se.COSTS["h100_8l"]) for p in ("fcfs", se.EngineWith("fcfs", mixed=True)))
     # fcfs never decodes while a prompt waits for its next chunk; with mixed chunk the short one
     # finishes while the long one still prefills
     assert plain[0].finish_s > plain[1].first_s
@@ -70,7 +70,7 @@ def test_prefill_decode_interval_decodes_between_prefill_passes(bench_module: Ca
     tr = bench_module("fair_sched", "traces")
     # SGLang's --prefill-decode-interval: N decode rounds after each prefill pass while requests decode
     trace = [tr.TraceRequest(0.0, 60, 40, ()), tr.TraceRequest(0.001, 20000, 4, ())]
-    runs = {k: se.simulate(trace, 1.0, se.StockWith("fcfs", False, k), 2048, se.COSTS["h100_8l"]) for k in (0, 4)}
+    runs = {k: se.simulate(trace, 1.0, se.EngineWith("fcfs", False, k), 2048, se.COSTS["h100_8l"]) for k in (0, 4)}
     # without it the short one decodes only once the long one has its first token; with 4 decode
     # rounds after each of the long prompt's 10 passes it finishes its 40 tokens before that ...
     assert runs[0][0].finish_s > runs[0][1].first_s
