@@ -135,6 +135,31 @@ def format_cell(cell: dict[str, Any], policies: list[str]) -> list[str]:
     return lines
 
 
+def studies_renderer(marker: str, table: Any, script: str) -> Any:
+    """`render(text, summary)`: `text` with its `marker` table in docs/fair_sched_studies.md replaced
+    by `table(summary)` (the table `script --write-doc` writes)."""
+    def render(text: str, summary: dict[str, Any]) -> str:
+        from kllm_plugins.plugin_docs import replace_generated
+
+        return replace_generated(text, marker, table(summary), f"python {script} --write-doc",
+                                 "docs/fair_sched_studies.md")
+    return render
+
+
+def cells_search_main(description: str, out: Any, doc: Any, run: Any, show: Any, render: Any) -> int:
+    """The main of a what-if search over the H100 cells (`--seeds`, `--chunks`, `--workers`,
+    `--write-doc`): `run(seeds, chunks, workers)`, recorded at `out`, or the doc's tables only."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seeds", type=int, default=8)
+    ap.add_argument("--chunks", type=int, nargs="+", default=[2048])
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--write-doc", action="store_true", help="only rewrite the table from the recorded summary")
+    a = ap.parse_args()
+    return record_or_write_doc(a.write_doc, out, doc, lambda: run(a.seeds, a.chunks, a.workers), show, render)
+
+
 def record_or_write_doc(write_doc: bool, out: Any, doc: Any, run: Any, show: Any, render: Any) -> int:
     """A what-if script's main: `run()` and record its summary at `out` (printing `show(summary)`), or
     with `write_doc` only rewrite `doc`'s generated tables (`render(text, summary)`) from the recorded one."""

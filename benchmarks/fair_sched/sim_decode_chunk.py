@@ -18,7 +18,6 @@ runs on a split with 3 ms a pass and the same cost for a whole 2048-token chunk 
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import statistics
@@ -143,21 +142,11 @@ def table(summary: dict[str, Any]) -> str:
     return "\n".join(head + body + ["", "Decode chunk none / chunk/4 / chunk/2, " + "; ".join(met) + "."]) + "\n"
 
 
-def render(text: str, summary: dict[str, Any]) -> str:
-    from kllm_plugins.plugin_docs import replace_generated
-
-    return replace_generated(text, "sim-decode-chunk", table(summary),
-                             "python benchmarks/fair_sched/sim_decode_chunk.py --write-doc", "docs/fair_sched_studies.md")
+render = grid.studies_renderer("sim-decode-chunk", table, "benchmarks/fair_sched/sim_decode_chunk.py")
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seeds", type=int, default=8)
-    ap.add_argument("--chunks", type=int, nargs="+", default=[2048])
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--write-doc", action="store_true", help="only rewrite the table from the recorded summary")
-    a = ap.parse_args()
-    return grid.record_or_write_doc(a.write_doc, OUT, DOC, lambda: run(a.seeds, a.chunks, a.workers), table, render)
+    return grid.cells_search_main(__doc__, OUT, DOC, run, table, render)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
 `issue` run, which holds the stalls a decode suffers behind prefill passes as well as the step
 itself. This refits that one number (`dec_base`; `sim_engine` now carries the fit) on what fcfs did
 on every H100 8-layer run recorded at issue 27's loads (`gpu_loads*_8l_h100.json`,
-`gpu_mixed_*_8l_h100.json`):
+`gpu_mixed_*_8l_h100.json`, `gpu_x0m_*_8l_h100.json`):
 
 * fcfs's mean TPOT in each cell, replayed on the GPU's own seeds at the GPU's own rate (its
   measured capacity times the load) with the run's KV pool;
@@ -47,14 +47,15 @@ PRIOR_MS = 5.5  # the decode step `h100_8l` carried before this fit
 # name in the GPU file: (model policy, fair_sched options or None for a stock order)
 CHECKED = {"shortest-prefill-first": ("shortest-prefill-first", None), "hrrn": ("hrrn", None),
            "shortest-prefill-first+mixed": (se.EngineWith("shortest-prefill-first", mixed=True), None),
-           "fair_sched": ("fair_sched", []), "fair_sched/mixed": ("fair_sched", ["mixed_decode=1"])}
+           "fair_sched": ("fair_sched", []), "fair_sched/mixed": ("fair_sched", ["mixed_decode=1"]),
+           "fair_sched/x0m": ("fair_sched", ["mixed_decode=1", "short_extra_tokens=0"])}
 
 
 def cells(folder: Path = RESULTS) -> list[dict[str, Any]]:
     """Every H100 8-layer cell at several loads with fcfs in it: trace, load, the GPU's rate, seeds
     and per-policy seed means (TPOT, mean TTFT) on the seeds the cell compares."""
     out = []
-    for path in sorted([*folder.glob("gpu_loads*_8l_h100.json"), *folder.glob("gpu_mixed_*_8l_h100.json")]):
+    for path in sorted(p for pattern in ("gpu_loads*", "gpu_mixed_*", "gpu_x0m_*") for p in folder.glob(pattern + "_8l_h100.json")):
         d = json.loads(path.read_text(encoding="utf-8"))
         s = d["settings"]
         for key, cell in d["metrics"].items():

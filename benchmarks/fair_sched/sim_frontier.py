@@ -31,7 +31,6 @@ those that also keep P99 at or below fcfs's; and the candidate nearest to meetin
 """
 from __future__ import annotations
 
-import argparse
 import itertools
 import os
 import statistics
@@ -251,21 +250,11 @@ def _interval_lines(summary: dict[str, Any]) -> list[str]:
     return lines
 
 
-def render(text: str, summary: dict[str, Any]) -> str:
-    from kllm_plugins.plugin_docs import replace_generated
-
-    return replace_generated(text, "sim-frontier", table(summary),
-                             "python benchmarks/fair_sched/sim_frontier.py --write-doc", "docs/fair_sched_studies.md")
+render = grid.studies_renderer("sim-frontier", table, "benchmarks/fair_sched/sim_frontier.py")
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seeds", type=int, default=8)
-    ap.add_argument("--chunks", type=int, nargs="+", default=[2048])
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--write-doc", action="store_true", help="only rewrite the table from the recorded summary")
-    a = ap.parse_args()
-    return grid.record_or_write_doc(a.write_doc, OUT, DOC, lambda: run(a.seeds, a.chunks, a.workers), table, render)
+    return grid.cells_search_main(__doc__, OUT, DOC, run, table, render)
 
 
 if __name__ == "__main__":
