@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import statistics
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -33,7 +32,6 @@ import sim_engine as se  # noqa: E402
 import sim_frontier as sf  # noqa: E402
 import targets  # noqa: E402
 import traces as tr  # noqa: E402
-from sim_gpu_replay import seed_runs  # noqa: E402
 
 from kllm_plugins.bench.record import build_summary  # noqa: E402
 
@@ -56,13 +54,6 @@ def costs(base: float) -> se.Costs:
     return dataclasses.replace(c, base=base, per_token=c.per_token + (c.base - base) / 2048)
 
 
-def _means(jobs: list[Any], rate: float, chunk: int, cm: se.Costs, policy: str,
-           env: tuple[str, ...] | None) -> dict[str, float]:
-    rows = seed_runs(jobs, rate, chunk, cm, 8 * sf.TRACE_CHUNK - 1, policy, list(env or ()),
-                     overlap=env is not None, lag=1, pool=sf.POOL)
-    return {k: statistics.fmean(r[k] for r in rows) for k in grid.METRICS}
-
-
 def share_name(share: int) -> str:
     return "none" if not share else f"chunk/{share}"
 
@@ -73,24 +64,20 @@ def ratios_of(m: dict[str, Any], label: str, share: int) -> dict[str, float]:
 
 
 def meets(ratios: dict[str, float]) -> bool:
-    """Every target holds (a ratio that is not a number, None once recorded, has nothing to miss)."""
-    return all(v is None or v != v or (v >= limit if name.startswith("throughput") else v <= limit)
-               for name, _, limit, _ in targets.TARGETS for v in (ratios[name],))
+    """Every target holds."""
+    return all(targets.holds(metric, limit, ratios[name]) for name, metric, limit, _ in targets.TARGETS)
 
 
 def cell(args: tuple[str, int, float, int, float]) -> dict[str, Any]:
     """One trace @ chunk @ load on one cost split: the stock baselines, then every candidate."""
     trace, chunk, load, seeds, base = args
     cm = costs(base)
-    scale = tr.gpu_scale(sf.TRACE_CHUNK, sf.MAX_PROMPT, *sf.OUTPUTS)
-    cap = se.capacity(tr.make(trace, scale, sf.CAL_REQUESTS, 99), chunk, cm, pool_tokens=sf.POOL)
-    rate, jobs = load * cap, [tr.make(trace, scale, 30, seed) for seed in range(seeds)]
-    stock = {p: _means(jobs, rate, chunk, cm, p, None) for p in sf.STOCK}
+    cap, rate, jobs, stock = sf.baselines(trace, chunk, load, seeds, cm)
     out: dict[str, dict[str, list[float]]] = {}
     for label, policy, env in CANDIDATES:
         for share in SHARES:
             pol = se.EngineWith(policy, mixed=env is None, decode_chunk=chunk // share if share else 0)
-            ratios = sf._checked(label, _means(jobs, rate, chunk, cm, pol, env), stock)["ratios"]
+            ratios = sf._checked(label, sf._means(jobs, rate, chunk, pol, env, cm), stock)["ratios"]
             out.setdefault(label, {})[share_name(share)] = [ratios[t[0]] for t in targets.TARGETS]
     return {"capacity_req_s": round(cap, 4), "candidates": out}
 

@@ -55,7 +55,8 @@ def cells(folder: Path = RESULTS) -> list[dict[str, Any]]:
     """Every H100 8-layer cell at several loads with fcfs in it: trace, load, the GPU's rate, seeds
     and per-policy seed means (TPOT, mean TTFT) on the seeds the cell compares."""
     out = []
-    for path in sorted(p for pattern in ("gpu_loads*", "gpu_mixed_*", "gpu_x0m_*") for p in folder.glob(pattern + "_8l_h100.json")):
+    files = (p for pattern in ("gpu_loads*", "gpu_mixed_*", "gpu_x0m_*") for p in folder.glob(pattern + "_8l_h100.json"))
+    for path in sorted(files):
         d = json.loads(path.read_text(encoding="utf-8"))
         s = d["settings"]
         for key, cell in d["metrics"].items():

@@ -96,10 +96,11 @@ def family() -> list[tuple[str, str, tuple[str, ...] | None]]:
     return out
 
 
-def _means(jobs: list[Any], rate: float, chunk: int, policy: str, env: tuple[str, ...] | None) -> dict[str, float]:
+def _means(jobs: list[Any], rate: float, chunk: int, policy: str, env: tuple[str, ...] | None,
+           cm: se.Costs = se.COSTS["h100_8l"]) -> dict[str, float]:
     """Seed means for one policy: a stock order on the plain clock (`env` None), or fair_sched with
     options `env` reading it as under the overlap scheduler with its one-pass lag, as on the GPU."""
-    rows = seed_runs(jobs, rate, chunk, se.COSTS["h100_8l"], 8 * TRACE_CHUNK - 1, policy, list(env or ()),
+    rows = seed_runs(jobs, rate, chunk, cm, 8 * TRACE_CHUNK - 1, policy, list(env or ()),
                      overlap=env is not None, lag=1, pool=POOL)
     return {k: statistics.fmean(r[k] for r in rows) for k in grid.METRICS}
 
@@ -110,13 +111,20 @@ def _checked(name: str, m: dict[str, float], stock: dict[str, dict[str, float]])
             "missed": [k for k, v in checks.items() if not v["met"]]}
 
 
+def baselines(trace: str, chunk: int, load: float, seeds: int,
+              cm: se.Costs = se.COSTS["h100_8l"]) -> tuple[float, float, list[Any], dict[str, dict[str, float]]]:
+    """One cell as the GPU grid ran it: the fcfs capacity (a burst of the trace), the rate at
+    `load` of it, the seeds' requests and the stock orders' seed means."""
+    scale = tr.gpu_scale(TRACE_CHUNK, MAX_PROMPT, *OUTPUTS)
+    cap = se.capacity(tr.make(trace, scale, CAL_REQUESTS, 99), chunk, cm, pool_tokens=POOL)
+    rate, jobs = load * cap, [tr.make(trace, scale, 30, seed) for seed in range(seeds)]
+    return cap, rate, jobs, {p: _means(jobs, rate, chunk, p, None, cm) for p in STOCK}
+
+
 def cell(args: tuple[str, int, float, int]) -> dict[str, Any]:
     """One trace @ chunk @ load: the stock baselines, then every candidate checked against them."""
     trace, chunk, load, seeds = args
-    scale = tr.gpu_scale(TRACE_CHUNK, MAX_PROMPT, *OUTPUTS)
-    cap = se.capacity(tr.make(trace, scale, CAL_REQUESTS, 99), chunk, se.COSTS["h100_8l"], pool_tokens=POOL)
-    rate, jobs = load * cap, [tr.make(trace, scale, 30, seed) for seed in range(seeds)]
-    stock = {p: _means(jobs, rate, chunk, p, None) for p in STOCK}
+    cap, rate, jobs, stock = baselines(trace, chunk, load, seeds)
     results = [_checked(name, _means(jobs, rate, chunk, policy, env), stock) for name, policy, env in family()]
     # the stock orders themselves, for reference
     results += [_checked(f"{p} (stock)", stock[p], stock) for p in ("shortest-prefill-first", "hrrn")]
@@ -141,10 +149,10 @@ def digest(results: list[dict[str, Any]]) -> dict[str, Any]:
 
     def excess(r: dict[str, Any]) -> float:  # the worst relative excess over a target's limit
         worst = 0.0
-        for name, _, limit, _ in targets.TARGETS:
+        for name, metric, limit, _ in targets.TARGETS:
             v = r["ratios"][name]
             if v == v:  # NaN: no long prompt, nothing to miss
-                worst = max(worst, (limit - v) / limit if name.startswith("throughput") else (v - limit) / limit)
+                worst = max(worst, (limit - v) / limit if metric == "throughput" else (v - limit) / limit)
         return worst
     near = min(results, key=excess)
     out["nearest"] = {"name": near["name"], "ratios": near["ratios"], "missed": near["missed"],

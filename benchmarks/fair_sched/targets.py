@@ -19,6 +19,12 @@ TARGETS = (("mean <= best stock", "mean", 1.0, "best"), ("short p90 <= best stoc
            ("tpot <= 1.3x fcfs", "tpot", 1.3, "fcfs"), ("throughput >= 0.98x fcfs", "throughput", 0.98, "fcfs"))
 
 
+def holds(metric: str, limit: float, v: float | None) -> bool:
+    """Whether ratio `v` of `metric` is within `limit` (throughput at or above, the rest at or below);
+    a ratio that is not a number (None once recorded in JSON) has nothing to miss."""
+    return v is None or math.isnan(v) or (v >= limit if metric == "throughput" else v <= limit)
+
+
 def check(m: dict[str, dict[str, float]], ours: str = "fair_sched") -> dict[str, dict[str, Any]]:
     """Each target: its ratio (rounded to 3 places), limit, the policy it is against, and whether it held."""
     stock = [p for p in STOCK if p in m]
@@ -26,6 +32,5 @@ def check(m: dict[str, dict[str, float]], ours: str = "fair_sched") -> dict[str,
     for name, metric, limit, against in TARGETS:
         who = min(stock, key=lambda p: m[p][metric]) if against == "best" else against
         v = m[ours][metric] / m[who][metric]
-        met = math.isnan(v) or (v >= limit if metric == "throughput" else v <= limit)
-        out[name] = {"value": round(v, 3), "target": limit, "against": who, "met": met}
+        out[name] = {"value": round(v, 3), "target": limit, "against": who, "met": holds(metric, limit, v)}
     return out

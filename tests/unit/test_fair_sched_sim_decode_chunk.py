@@ -40,16 +40,11 @@ def test_a_decode_chunk_caps_only_mixed_passes_with_requests_decoding(
     unmixed = _prefill_rows(se, beside, se.EngineWith("shortest-prefill-first", mixed=False, decode_chunk=512))
     assert max(sum(p) for p in unmixed) == 2048
     # fair_sched with mixed_decode reads the same cap (make_policy passes it to FairSingle)
-    pol = se.make_policy(se.EngineWith("fair_sched", decode_chunk=512), 2048, _config(["mixed_decode=1"]))
+    cfg = bench_module("fair_sched", "grid").config_from(["mixed_decode=1"])
+    pol = se.make_policy(se.EngineWith("fair_sched", decode_chunk=512), 2048, cfg)
     assert pol.decode_chunk == 512
     fair_rows = _prefill_rows(se, beside, pol)
     assert max(sum(p) for p in fair_rows[1:]) <= 512 and sum(map(sum, fair_rows)) == 8252
-
-
-def _config(env: list[str]) -> object:
-    import grid  # benchmarks/fair_sched is on sys.path once bench_module loaded sim_engine
-
-    return grid.config_from(env)
 
 
 def test_meets_reads_every_target_and_skips_missing_ratios(bench_module: Callable[[str, str], ModuleType]) -> None:
