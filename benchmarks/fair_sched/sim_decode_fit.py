@@ -4,13 +4,15 @@
 `issue` run, which holds the stalls a decode suffers behind prefill passes as well as the step
 itself. This refits that one number (`dec_base`; `sim_engine` now carries the fit) on what fcfs did
 on every H100 8-layer run recorded at issue 27's loads (`gpu_loads*_8l_h100.json`,
-`gpu_mixed_*_8l_h100.json`, `gpu_x0m_*_8l_h100.json`):
+`gpu_mixed_*_8l_h100.json`, `gpu_x0m_*_8l_h100.json`) at chunk 2048 (`FIT_CHUNK`):
 
 * fcfs's mean TPOT in each cell, replayed on the GPU's own seeds at the GPU's own rate (its
   measured capacity times the load) with the run's KV pool;
-* the capacity each run measured (16 requests of the trace sent at once), per trace.
+* the capacity each run measured (16 requests of the trace sent at once), per trace and chunk.
 
-The fit is the step on a grid with the smallest root-mean-square log error over both. The
+The fit is the step on a grid with the smallest root-mean-square log error over both. The cells at
+other chunks (8192) are held out: their error at the fitted step, and the step a fit over every
+cell would pick, are printed and recorded beside it. The
 per-request decode cost (`dec_row`) stays a quarter of the H200's: raised together with a smaller
 step it fits as well (a valley from 1.5 ms + 400 us to 3.5 ms + 7.8 us, RMS 0.078-0.089, found by
 hand on a grid), so these runs do not tell the two apart. The other policies' TPOT and mean TTFT
@@ -44,6 +46,7 @@ RESULTS = ROOT / "benchmarks" / "results" / "fair_sched"
 OUT = "sim_decode_fit_h100_8l"  # benchmarks/results/fair_sched/<this>.json
 GRID_MS = [x / 4 for x in range(8, 25)]  # dec_base 2.0 .. 6.0 ms
 PRIOR_MS = 5.5  # the decode step `h100_8l` carried before this fit
+FIT_CHUNK = 2048  # the cells the fit sees; the others are held out
 # name in the GPU file: (model policy, fair_sched options or None for a stock order)
 CHECKED = {"shortest-prefill-first": ("shortest-prefill-first", None), "hrrn": ("hrrn", None),
            "shortest-prefill-first+mixed": (se.EngineWith("shortest-prefill-first", mixed=True), None),
@@ -88,19 +91,21 @@ def _costs(ms: float) -> se.Costs:
 
 
 def capacities(cs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per trace: the capacities the GPU runs measured (their mean), and what to replay."""
+    """Per trace and chunk (`trace@chunk`): the capacities the GPU runs measured (their mean), and
+    what to replay."""
     out: dict[str, dict[str, Any]] = {}
     for c in cs:
-        t = out.setdefault(c["trace"], {"gpu": [], "settings": c["settings"], "chunk": c["chunk"]})
+        t = out.setdefault(f"{c['trace']}@{c['chunk']}",
+                           {"trace": c["trace"], "gpu": [], "settings": c["settings"], "chunk": c["chunk"]})
         if c["capacity"] not in t["gpu"]:
             t["gpu"].append(c["capacity"])
     return out
 
 
-def _capacity(t: dict[str, Any], trace: str, cm: se.Costs) -> float:
+def _capacity(t: dict[str, Any], cm: se.Costs) -> float:
     s = t["settings"]
     scale = tr.gpu_scale(s["trace_chunk"], s["max_prompt"], *s["output_tokens"])
-    return se.capacity(tr.make(trace, scale, s["cal_requests"], 99), t["chunk"], cm, pool_tokens=s["pool_tokens"])
+    return se.capacity(tr.make(t["trace"], scale, s["cal_requests"], 99), t["chunk"], cm, pool_tokens=s["pool_tokens"])
 
 
 def fit(cs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -111,7 +116,7 @@ def fit(cs: list[dict[str, Any]]) -> dict[str, Any]:
     for ms in GRID_MS:
         cm = _costs(ms)
         logs = [math.log(_runs(c, cm, "fcfs", None)["tpot"] / c["gpu"]["fcfs"]["tpot"]) for c in cs]
-        logs += [math.log(_capacity(t, trace, cm) / statistics.fmean(t["gpu"])) for trace, t in caps.items()]
+        logs += [math.log(_capacity(t, cm) / statistics.fmean(t["gpu"])) for t in caps.values()]
         errs[ms] = math.sqrt(statistics.fmean(x * x for x in logs))
     best = min(errs, key=errs.__getitem__)
     return {"rms_log_error": {f"{k:g}": round(v, 4) for k, v in errs.items()}, "dec_base_ms": best,
@@ -135,9 +140,8 @@ def check(cs: list[dict[str, Any]], dec_base_ms: float) -> dict[str, Any]:
             m = {k: _runs(c, cm, policy, env) for k, cm in costs.items()}
             row[name] = {q: {"gpu": g[q] / f[q], **{k: m[k][q] / fc[k][q] for k in costs}} for q in ("tpot", "mean")}
         out[key] = row
-    for trace, t in capacities(cs).items():
-        out[f"capacity {trace}@{t['chunk']}"] = {"gpu": statistics.fmean(t["gpu"]),
-                                                 **{k: _capacity(t, trace, cm) for k, cm in costs.items()}}
+    for key, t in capacities(cs).items():
+        out[f"capacity {key}"] = {"gpu": statistics.fmean(t["gpu"]), **{k: _capacity(t, cm) for k, cm in costs.items()}}
     return out
 
 
@@ -146,10 +150,21 @@ def main() -> int:
     ap.add_argument("--record", action="store_true")
     a = ap.parse_args()
     cs = cells()
-    f = fit(cs)
-    print(f"RMS log error of fcfs's mean TPOT ({len(cs)} cells) and capacity, by decode step (ms): "
-          + ", ".join(f"{k} {v:.3f}" for k, v in f["rms_log_error"].items()))
+    seen = [c for c in cs if c["chunk"] == FIT_CHUNK]
+    held = [c for c in cs if c["chunk"] != FIT_CHUNK]
+    f = fit(seen)
+    print(f"RMS log error of fcfs's mean TPOT ({len(seen)} cells at chunk {FIT_CHUNK}) and capacity, by decode "
+          "step (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in f["rms_log_error"].items()))
     print(f"fit: {f['dec_base_ms']:g} ms (was {PRIOR_MS:g} ms)")
+    if held:
+        h, every = fit(held), fit(cs)
+        f["held_out"] = {"cells": len(held), "rms_log_error_at_fit": h["rms_log_error"][f"{f['dec_base_ms']:g}"],
+                         "their_own_fit_ms": h["dec_base_ms"],
+                         "fit_over_every_cell_ms": every["dec_base_ms"],
+                         "fit_over_every_cell_rms": every["rms_log_error"][f"{every['dec_base_ms']:g}"]}
+        print(f"held out ({len(held)} cells at other chunks): RMS {f['held_out']['rms_log_error_at_fit']:.3f} at the "
+              f"fit; their own fit {h['dec_base_ms']:g} ms; a fit over every cell {every['dec_base_ms']:g} ms (RMS "
+              f"{f['held_out']['fit_over_every_cell_rms']:.3f})")
     chk = check(cs, f["dec_base_ms"])
     for key, row in chk.items():
         if key.startswith("capacity"):
@@ -163,7 +178,7 @@ def main() -> int:
                                                    for q in ("tpot", "mean")))
     if a.record:
         out = record("fair_sched", OUT, "python benchmarks/fair_sched/sim_decode_fit.py --record", chk,
-                     shared=grid.SIM_SHARED, fit=f, cells=len(cs),
+                     shared=grid.SIM_SHARED, fit=f, cells=len(seen),
                      columns="GPU / model with the old decode step / with the fitted one",
                      kind="simulation: the 8-layer H100 decode step fitted to fcfs's TPOT on the GPU")
         print(f"recorded {out}")
