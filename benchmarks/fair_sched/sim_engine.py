@@ -448,7 +448,10 @@ def summary(reqs: list[Req], long_tokens: int) -> dict[str, float]:
             "short_p90": pct(short, 0.9) if short else math.nan,
             "long_mean": statistics.fmean(long_) if long_ else math.nan,
             "tpot": statistics.fmean(tpot),
-            "throughput": len(reqs) / (max(r.finish_s for r in reqs) - min(r.arrival for r in reqs))}
+            "throughput": len(reqs) / (max(r.finish_s for r in reqs) - min(r.arrival for r in reqs)),
+            # end to end (arrival to last token) and its decode part (first token to last), means
+            "e2e": statistics.fmean(r.finish_s - r.arrival for r in reqs),
+            "decode": statistics.fmean(r.finish_s - r.first_s for r in reqs)}
 
 
 def capacity(trace: list[TraceRequest], chunk: int, cm: Costs, pool_tokens: int | None = None) -> float:

@@ -258,6 +258,7 @@ def _figures(rs: list[dict[str, Any]]) -> dict[str, Any]:
     fig: dict[str, Any] = {"seeds": len(rs)}
     picks = [(f"{k}_{q}", k, q) for k in KEYS for q in ("mean", "p50", "p90", "p99")]
     picks += [("tpot_s_mean", "tpot_s", "mean"), ("long_ttft_over_solo_max", "long_ttft_over_solo", "max")]
+    picks += [("e2e_s_mean", "e2e_s", "mean"), ("decode_s_mean", "decode_s", "mean")]  # runs after 2026-12-07
     picks += [("throughput_req_s", "throughput_req_s", None)]
     for name, key, q in picks:
         vals = [r[key] if q is None else r[key][q] for r in rs if q is None or q in r.get(key, {})]
