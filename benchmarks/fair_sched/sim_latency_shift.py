@@ -27,7 +27,6 @@ import os
 import statistics
 import sys
 from concurrent.futures import ProcessPoolExecutor
-from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -40,9 +39,8 @@ from sim_gpu_replay import seed_runs  # noqa: E402
 
 from kllm_plugins.bench.record import build_summary  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
-OUT = ROOT / "benchmarks" / "results" / "fair_sched" / "sim_latency_shift_h100_8l.json"
-DOC = ROOT / "docs" / "fair_sched_studies.md"
+OUT = sf.ROOT / "benchmarks" / "results" / "fair_sched" / "sim_latency_shift_h100_8l.json"
+DOC = sf.DOC  # docs/fair_sched_studies.md
 TPOT_LIMIT = 1.3  # issue 27: TPOT <= 1.3x fcfs's
 KEYS = ("mean", "e2e", "decode", "tpot", "p99")
 X0M = ("mixed_decode=1", "short_extra_tokens=0")
