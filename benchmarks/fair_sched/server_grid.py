@@ -34,7 +34,7 @@ from kllm_plugins.bench.record import build_summary, result_path, write_summary 
 from kllm_plugins.bench.stats import quantile  # noqa: E402
 
 POLICIES = ("fcfs", "lpm", "shortest-prefill-first", "hrrn", "fair_sched")
-METRICS = ("mean", "p90", "p99", "short_p90", "long_mean", "tpot", "throughput", "retract_logs")
+METRICS = ("mean", "p90", "p99", "short_p90", "long_mean", "tpot", "throughput", "retract_logs", "e2e", "decode")
 # what SGLang's log says when a scheduler dies (its chunk overcommit ends in "Out of memory")
 SERVER_DEATH = r"Out of memory|Try to allocate|Available full tokens|Scheduler hit an exception"
 # SGLang's log line when decode finds the KV pool full and sends running requests back to the queue
@@ -55,7 +55,10 @@ def run_summary(outs: list[Outcome], wall_s: float) -> dict[str, float]:
     return {"mean": statistics.fmean(ttft), "p90": quantile(ttft, 0.9), "p99": quantile(ttft, 0.99),
             "short_p90": quantile(short, 0.9) if short else float("nan"),
             "long_mean": statistics.fmean(long_) if long_ else float("nan"),
-            "tpot": statistics.fmean(tpot), "throughput": len(outs) / wall_s}
+            "tpot": statistics.fmean(tpot), "throughput": len(outs) / wall_s,
+            # end to end (arrival to last token) and its decode part, means: where a TTFT saving went
+            "e2e": statistics.fmean(o.latency_s for o in outs),
+            "decode": statistics.fmean(o.latency_s - o.ttft_s for o in outs)}
 
 def main() -> None:
     ap = argparse.ArgumentParser()
