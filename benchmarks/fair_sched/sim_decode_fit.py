@@ -108,16 +108,22 @@ def _capacity(t: dict[str, Any], cm: se.Costs) -> float:
     return se.capacity(tr.make(t["trace"], scale, s["cal_requests"], 99), t["chunk"], cm, pool_tokens=s["pool_tokens"])
 
 
-def fit(cs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The RMS log error over fcfs's mean TPOT per cell and the capacity per trace, for each
-    `dec_base` on the grid, and the best."""
+def log_errors(cs: list[dict[str, Any]]) -> dict[float, list[float]]:
+    """For each `dec_base` on the grid: the log errors of fcfs's mean TPOT per cell and of the
+    capacity per trace and chunk (cells of different chunks add up: their capacities do not mix)."""
     caps = capacities(cs)
-    errs = {}
+    out = {}
     for ms in GRID_MS:
         cm = _costs(ms)
-        logs = [math.log(_runs(c, cm, "fcfs", None)["tpot"] / c["gpu"]["fcfs"]["tpot"]) for c in cs]
-        logs += [math.log(_capacity(t, cm) / statistics.fmean(t["gpu"])) for t in caps.values()]
-        errs[ms] = math.sqrt(statistics.fmean(x * x for x in logs))
+        out[ms] = [math.log(_runs(c, cm, "fcfs", None)["tpot"] / c["gpu"]["fcfs"]["tpot"]) for c in cs]
+        out[ms] += [math.log(_capacity(t, cm) / statistics.fmean(t["gpu"])) for t in caps.values()]
+    return out
+
+
+def fit(cs: list[dict[str, Any]], logs: dict[float, list[float]] | None = None) -> dict[str, Any]:
+    """The RMS log error (of `log_errors(cs)`, or `logs` when given) for each `dec_base` on the
+    grid, and the best."""
+    errs = {ms: math.sqrt(statistics.fmean(x * x for x in xs)) for ms, xs in (logs or log_errors(cs)).items()}
     best = min(errs, key=errs.__getitem__)
     return {"rms_log_error": {f"{k:g}": round(v, 4) for k, v in errs.items()}, "dec_base_ms": best,
             "was_ms": PRIOR_MS}
@@ -152,12 +158,14 @@ def main() -> int:
     cs = cells()
     seen = [c for c in cs if c["chunk"] == FIT_CHUNK]
     held = [c for c in cs if c["chunk"] != FIT_CHUNK]
-    f = fit(seen)
+    seen_logs = log_errors(seen)
+    f = fit(seen, seen_logs)
     print(f"RMS log error of fcfs's mean TPOT ({len(seen)} cells at chunk {FIT_CHUNK}) and capacity, by decode "
           "step (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in f["rms_log_error"].items()))
     print(f"fit: {f['dec_base_ms']:g} ms (was {PRIOR_MS:g} ms)")
     if held:
-        h, every = fit(held), fit(cs)
+        held_logs = log_errors(held)
+        h, every = fit(held, held_logs), fit(cs, {ms: seen_logs[ms] + held_logs[ms] for ms in GRID_MS})
         f["held_out"] = {"cells": len(held), "rms_log_error_at_fit": h["rms_log_error"][f"{f['dec_base_ms']:g}"],
                          "their_own_fit_ms": h["dec_base_ms"],
                          "fit_over_every_cell_ms": every["dec_base_ms"],

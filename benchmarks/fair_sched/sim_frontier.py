@@ -97,12 +97,13 @@ def family() -> list[tuple[str, str, tuple[str, ...] | None]]:
 
 
 def _means(jobs: list[Any], rate: float, chunk: int, policy: str, env: tuple[str, ...] | None,
-           cm: se.Costs = se.COSTS["h100_8l"]) -> dict[str, float]:
-    """Seed means for one policy: a stock order on the plain clock (`env` None), or fair_sched with
-    options `env` reading it as under the overlap scheduler with its one-pass lag, as on the GPU."""
+           cm: se.Costs = se.COSTS["h100_8l"], keys: tuple[str, ...] = grid.METRICS) -> dict[str, float]:
+    """Seed means of `keys` (`sim_engine.summary`'s) for one policy: a stock order on the plain clock
+    (`env` None), or fair_sched with options `env` reading it as under the overlap scheduler with its
+    one-pass lag, as on the GPU."""
     rows = seed_runs(jobs, rate, chunk, cm, 8 * TRACE_CHUNK - 1, policy, list(env or ()),
                      overlap=env is not None, lag=1, pool=POOL)
-    return {k: statistics.fmean(r[k] for r in rows) for k in grid.METRICS}
+    return {k: statistics.fmean(r[k] for r in rows) for k in keys}
 
 
 def _checked(name: str, m: dict[str, float], stock: dict[str, dict[str, float]]) -> dict[str, Any]:
@@ -111,14 +112,14 @@ def _checked(name: str, m: dict[str, float], stock: dict[str, dict[str, float]])
             "missed": [k for k, v in checks.items() if not v["met"]]}
 
 
-def baselines(trace: str, chunk: int, load: float, seeds: int,
-              cm: se.Costs = se.COSTS["h100_8l"]) -> tuple[float, float, list[Any], dict[str, dict[str, float]]]:
+def baselines(trace: str, chunk: int, load: float, seeds: int, cm: se.Costs = se.COSTS["h100_8l"],
+              keys: tuple[str, ...] = grid.METRICS) -> tuple[float, float, list[Any], dict[str, dict[str, float]]]:
     """One cell as the GPU grid ran it: the fcfs capacity (a burst of the trace), the rate at
-    `load` of it, the seeds' requests and the stock orders' seed means."""
+    `load` of it, the seeds' requests and the stock orders' seed means of `keys`."""
     scale = tr.gpu_scale(TRACE_CHUNK, MAX_PROMPT, *OUTPUTS)
     cap = se.capacity(tr.make(trace, scale, CAL_REQUESTS, 99), chunk, cm, pool_tokens=POOL)
     rate, jobs = load * cap, [tr.make(trace, scale, 30, seed) for seed in range(seeds)]
-    return cap, rate, jobs, {p: _means(jobs, rate, chunk, p, None, cm) for p in STOCK}
+    return cap, rate, jobs, {p: _means(jobs, rate, chunk, p, None, cm, keys) for p in STOCK}
 
 
 def cell(args: tuple[str, int, float, int]) -> dict[str, Any]:

@@ -24,7 +24,6 @@ cells of `sim_frontier.py` (same traces, loads, seeds, KV pool, costs):
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
@@ -35,7 +34,6 @@ import grid  # noqa: E402
 import sim_engine as se  # noqa: E402
 import sim_frontier as sf  # noqa: E402
 import traces as tr  # noqa: E402
-from sim_gpu_replay import seed_runs  # noqa: E402
 
 from kllm_plugins.bench.record import build_summary  # noqa: E402
 
@@ -44,10 +42,9 @@ DOC = sf.DOC  # docs/fair_sched_studies.md
 TPOT_LIMIT = 1.3  # issue 27: TPOT <= 1.3x fcfs's
 KEYS = ("mean", "e2e", "decode", "tpot", "p99")
 X0M = ("mixed_decode=1", "short_extra_tokens=0")
-# label: (policy, fair_sched options or None for a stock order on the plain clock)
-POLICIES = {"fcfs": ("fcfs", None), "shortest-prefill-first": ("shortest-prefill-first", None),
-            "hrrn": ("hrrn", None),
-            "shortest-prefill-first + mixed chunk": (se.EngineWith("shortest-prefill-first", mixed=True), None),
+# beside the stock orders (sim_frontier.STOCK): label: (policy, fair_sched options or None for a
+# stock order on the plain clock)
+POLICIES = {"shortest-prefill-first + mixed chunk": (se.EngineWith("shortest-prefill-first", mixed=True), None),
             "shortest-prefill-first + prefill-decode-interval 2": (se.EngineWith("shortest-prefill-first", False, 2), None),
             "fair_sched": ("fair_sched", ()), "fair_sched + mixed_decode, short_extra_tokens=0": ("fair_sched", X0M),
             "fair_sched + decode_time_share 0.35": ("fair_sched", ("decode_share=0", "decode_time_share=0.35"))}
@@ -55,14 +52,6 @@ SHORT = {"shortest-prefill-first": "SPF", "hrrn": "hrrn", "shortest-prefill-firs
          "shortest-prefill-first + prefill-decode-interval 2": "SPF+interval 2", "fair_sched": "fair_sched",
          "fair_sched + mixed_decode, short_extra_tokens=0": "fair_sched x0m",
          "fair_sched + decode_time_share 0.35": "fair_sched time share 0.35"}
-
-
-def means(jobs: list[Any], rate: float, chunk: int, policy: Any, env: tuple[str, ...] | None,
-          cm: se.Costs = se.COSTS["h100_8l"]) -> dict[str, float]:
-    """Seed means of `KEYS` (fair_sched reads the clock as under the overlap scheduler, lag 1)."""
-    rows = seed_runs(jobs, rate, chunk, cm, 8 * sf.TRACE_CHUNK - 1, policy, list(env or ()),
-                     overlap=env is not None, lag=1, pool=sf.POOL)
-    return {k: statistics.fmean(r[k] for r in rows) for k in KEYS}
 
 
 def account(m: dict[str, float], fcfs: dict[str, float]) -> dict[str, float | None]:
@@ -87,9 +76,8 @@ def budget(stock: dict[str, dict[str, float]]) -> dict[str, float | None]:
 
 def cell(args: tuple[str, int, float, int]) -> dict[str, Any]:
     trace, chunk, load, seeds = args
-    cap, rate, jobs, _ = sf.baselines(trace, chunk, load, seeds)
-    got = {label: means(jobs, rate, chunk, p, env) for label, (p, env) in POLICIES.items()}
-    stock = {p: got[p] for p in sf.STOCK}
+    cap, rate, jobs, stock = sf.baselines(trace, chunk, load, seeds, keys=KEYS)
+    got = {**stock, **{label: sf._means(jobs, rate, chunk, p, env, keys=KEYS) for label, (p, env) in POLICIES.items()}}
     return {"capacity_req_s": round(cap, 4), "fcfs": got["fcfs"], "budget": budget(stock),
             "policies": {label: account(m, got["fcfs"]) for label, m in got.items() if label != "fcfs"}}
 
@@ -118,16 +106,16 @@ def table(summary: dict[str, Any]) -> str:
             "|---" * (5 + len(shown)) + "|"]
     body, below, with_p99 = [], 0, 0
     for key, c in summary["metrics"].items():
-        b, f = c["budget"], c["fcfs"]
+        b, f, marked = c["budget"], c["fcfs"], within(c, p99=True)
         cols = []
         for p in shown:
             a = c["policies"][p]
-            mark = " ✓" if p == within(c, p99=True) else ""
+            mark = " ✓" if p == marked else ""
             cols.append(f"{_fmt(a['shift'])} ({a['mean_vs_fcfs']:.2f} / {a['tpot_vs_fcfs']:.2f} / {a['p99_vs_fcfs']:.2f}){mark}")
         body.append(f"| {key.replace('@', ' @ ')} | {f['mean']:.2f} / {f['decode']:.2f} | {b['needed_saving_s']:.2f} | "
                     f"{b['allowed_decode_growth_s']:.2f} | {_fmt(b['shift_allowed'])} | " + " | ".join(cols) + " |")
         below += within(c) is not None
-        with_p99 += within(c, p99=True) is not None
+        with_p99 += marked is not None
     return "\n".join(head + body + [
         "", f"Cells: {len(summary['metrics'])}. Cells where a policy at or below the best stock policy's mean "
         f"TTFT has a shift within the allowed one: {below}; and P99 at or below fcfs's too (✓): {with_p99}."]) + "\n"
