@@ -88,23 +88,26 @@ def _shift(a: dict[str, Any] | None) -> str:
 
 def table(folder: Path = RESULTS, model: dict[str, Any] | None = None) -> str:
     """Per measured cell: fcfs's TTFT and decode time, the shift the targets allow, each shown
-    policy's shift with its mean TTFT / end-to-end / TPOT ratios to fcfs, and for a GPU cell the
-    model's shift allowed and its shifts for the same policies."""
+    policy's shift with its mean TTFT / end-to-end / TPOT ratios to fcfs (then the other fair_sched
+    settings and mixed-chunk stock orders the run had), and for a GPU cell the model's shift
+    allowed and its shifts for the same policies."""
     if model is None:
         model = json.loads(sls.OUT.read_text(encoding="utf-8"))["metrics"]
     names = [sls.SHORT.get(p, p) for p in SHOWN]
     head = ["| where | trace @ chunk @ load | fcfs TTFT / decode (s) | shift allowed | "
             + " | ".join(f"{n}: shift (TTFT / e2e / TPOT vs fcfs)" for n in names)
-            + " | model: shift allowed; " + " / ".join(names) + " | file |",
-            "|---" * (6 + len(names)) + "|"]
+            + " | other settings: shift (TTFT / e2e / TPOT vs fcfs) | model: shift allowed; " + " / ".join(names)
+            + " | file |", "|---" * (7 + len(names)) + "|"]
     body = []
     for where, key, c in measured(folder):
         f, m = c["fcfs"], model.get(key) if where == "H100" else None
         sim = "-" if m is None else (f"{sls._fmt(m['budget']['shift_allowed'])}; " + " / ".join(
             sls._fmt(m["policies"][p]["shift"]) for p in SHOWN))
+        others = "; ".join(f"{p.split('/')[-1]} {_shift(a)}" for p, a in c["policies"].items()
+                           if p not in SHOWN and p not in STOCK) or "-"
         body.append(f"| {where} | {key.replace('@', ' @ ')} | {f['mean']:.2f} / {f['decode']:.2f} | "
                     f"{sls._fmt(c['budget']['shift_allowed'])} | "
-                    + " | ".join(_shift(c["policies"].get(p)) for p in SHOWN) + f" | {sim} | {c['file']} |")
+                    + " | ".join(_shift(c["policies"].get(p)) for p in SHOWN) + f" | {others} | {sim} | {c['file']} |")
     return "\n".join(head + body) + "\n"
 
 

@@ -150,7 +150,7 @@ def gpu_table(folder: Path = RESULTS) -> str:
 
 
 TRADE = ("fcfs", "lpm", "hrrn", "shortest-prefill-first", "shortest-prefill-first+mixed", "fair_sched",
-         "fair_sched/mixed", "fair_sched/x0m", "fair_sched/mp2")
+         "fair_sched/mixed", "fair_sched/x0m", "fair_sched/x512m", "fair_sched/mp2")
 
 
 def trade_table(folder: Path = RESULTS) -> str:

@@ -4,15 +4,16 @@
 `issue` run, which holds the stalls a decode suffers behind prefill passes as well as the step
 itself. This refits that one number (`dec_base`; `sim_engine` now carries the fit) on what fcfs did
 on every H100 8-layer run recorded at issue 27's loads (`gpu_loads*_8l_h100.json`,
-`gpu_mixed_*_8l_h100.json`, `gpu_x0m_*_8l_h100.json`) at chunk 2048 (`FIT_CHUNK`):
+`gpu_mixed_*_8l_h100.json`, `gpu_x0m_*_8l_h100.json`, `gpu_x512m_*_8l_h100.json`) at chunk 2048 (`FIT_CHUNK`):
 
 * fcfs's mean TPOT in each cell, replayed on the GPU's own seeds at the GPU's own rate (its
   measured capacity times the load) with the run's KV pool;
 * the capacity each run measured (16 requests of the trace sent at once), per trace and chunk.
 
 The fit is the step on a grid with the smallest root-mean-square log error over both. The cells at
-other chunks (8192) are held out: their error at the fitted step, and the step a fit over every
-cell would pick, are printed and recorded beside it. The
+other chunks (8192), and those recorded after the fit was made (`FIT_UNTIL`), are held out: their
+error at the fitted step, and the step a fit over every cell would pick, are printed and recorded
+beside it. The
 per-request decode cost (`dec_row`) stays a quarter of the H200's: raised together with a smaller
 step it fits as well (a valley from 1.5 ms + 400 us to 3.5 ms + 7.8 us, RMS 0.078-0.089, found by
 hand on a grid), so these runs do not tell the two apart. The other policies' TPOT and mean TTFT
@@ -46,19 +47,21 @@ RESULTS = ROOT / "benchmarks" / "results" / "fair_sched"
 OUT = "sim_decode_fit_h100_8l"  # benchmarks/results/fair_sched/<this>.json
 GRID_MS = [x / 4 for x in range(8, 25)]  # dec_base 2.0 .. 6.0 ms
 PRIOR_MS = 5.5  # the decode step `h100_8l` carried before this fit
+FIT_UNTIL = "2026-12-07T08"  # runs recorded from then on were not there when the fit was made: held out
 FIT_CHUNK = 2048  # the cells the fit sees; the others are held out
 # name in the GPU file: (model policy, fair_sched options or None for a stock order)
 CHECKED = {"shortest-prefill-first": ("shortest-prefill-first", None), "hrrn": ("hrrn", None),
            "shortest-prefill-first+mixed": (se.EngineWith("shortest-prefill-first", mixed=True), None),
            "fair_sched": ("fair_sched", []), "fair_sched/mixed": ("fair_sched", ["mixed_decode=1"]),
-           "fair_sched/x0m": ("fair_sched", ["mixed_decode=1", "short_extra_tokens=0"])}
+           "fair_sched/x0m": ("fair_sched", ["mixed_decode=1", "short_extra_tokens=0"]),
+           "fair_sched/x512m": ("fair_sched", ["mixed_decode=1", "short_extra_tokens=512"])}
 
 
 def cells(folder: Path = RESULTS) -> list[dict[str, Any]]:
     """Every H100 8-layer cell at several loads with fcfs in it: trace, load, the GPU's rate, seeds
     and per-policy seed means (TPOT, mean TTFT) on the seeds the cell compares."""
     out = []
-    files = (p for pattern in ("gpu_loads*", "gpu_mixed_*", "gpu_x0m_*") for p in folder.glob(pattern + "_8l_h100.json"))
+    files = (p for pattern in ("gpu_loads*", "gpu_mixed_*", "gpu_x0m_*", "gpu_x512m_*") for p in folder.glob(pattern + "_8l_h100.json"))
     for path in sorted(files):
         d = json.loads(path.read_text(encoding="utf-8"))
         s = d["settings"]
@@ -70,11 +73,16 @@ def cells(folder: Path = RESULTS) -> list[dict[str, Any]]:
                             and r["load"] == float(load)} - set(cell.get("seeds_left_out", [])))
             gpu = {p: {"tpot": f["tpot_s_mean"]["mean"], "mean": f["ttft_s_mean"]["mean"]}
                    for p, f in cell.items() if isinstance(f, dict) and "tpot_s_mean" in f and p not in cell.get("exited", [])}
-            out.append({"file": path.name, "trace": trace, "chunk": int(chunk), "load": float(load), "seeds": seeds,
+            out.append({"file": path.name, "date": d["date"], "trace": trace, "chunk": int(chunk), "load": float(load), "seeds": seeds,
                         "capacity": d["calibration"][f"{trace}@{chunk}"]["capacity_req_s"],
                         "rate": float(load) * d["calibration"][f"{trace}@{chunk}"]["capacity_req_s"],
                         "settings": s, "gpu": gpu})
     return out
+
+
+def fitted(c: dict[str, Any]) -> bool:
+    """A cell the fit sees: at `FIT_CHUNK`, recorded before `FIT_UNTIL`."""
+    return c["chunk"] == FIT_CHUNK and c["date"] < FIT_UNTIL
 
 
 def _runs(c: dict[str, Any], cm: se.Costs, policy: Any, env: list[str] | None) -> dict[str, float]:
@@ -156,8 +164,8 @@ def main() -> int:
     ap.add_argument("--record", action="store_true")
     a = ap.parse_args()
     cs = cells()
-    seen = [c for c in cs if c["chunk"] == FIT_CHUNK]
-    held = [c for c in cs if c["chunk"] != FIT_CHUNK]
+    seen = [c for c in cs if fitted(c)]
+    held = [c for c in cs if not fitted(c)]
     seen_logs = log_errors(seen)
     f = fit(seen, seen_logs)
     print(f"RMS log error of fcfs's mean TPOT ({len(seen)} cells at chunk {FIT_CHUNK}) and capacity, by decode "
@@ -170,7 +178,7 @@ def main() -> int:
                          "their_own_fit_ms": h["dec_base_ms"],
                          "fit_over_every_cell_ms": every["dec_base_ms"],
                          "fit_over_every_cell_rms": every["rms_log_error"][f"{every['dec_base_ms']:g}"]}
-        print(f"held out ({len(held)} cells at other chunks): RMS {f['held_out']['rms_log_error_at_fit']:.3f} at the "
+        print(f"held out ({len(held)} cells at other chunks or recorded later): RMS {f['held_out']['rms_log_error_at_fit']:.3f} at the "
               f"fit; their own fit {h['dec_base_ms']:g} ms; a fit over every cell {every['dec_base_ms']:g} ms (RMS "
               f"{f['held_out']['fit_over_every_cell_rms']:.3f})")
     chk = check(cs, f["dec_base_ms"])

@@ -30,7 +30,8 @@ def test_a_gpu_cell_is_accounted_against_the_stock_servers_that_stayed_up(ms: Mo
     fair_sched saves 0.5 s and adds 0.4 s of decode (shift 0.8). A file recorded before decode time
     was measured adds no row."""
     cell = {"fcfs": _fig(1.0, 1.0), "lpm": _fig(1.0, 1.0), "hrrn": _fig(0.8, 1.1),
-            "shortest-prefill-first": _fig(0.3, 1.6), "fair_sched": _fig(0.5, 1.4), "exited": ["shortest-prefill-first"]}
+            "shortest-prefill-first": _fig(0.3, 1.6), "fair_sched": _fig(0.5, 1.4), "fair_sched/x9": _fig(0.6, 1.2),
+            "exited": ["shortest-prefill-first"]}
     (tmp_path / "gpu_a.json").write_text(json.dumps({"metrics": {"issue@2048@0.6": cell}}))
     old = {"fcfs": {"ttft_s_mean": {"mean": 1.0}}, "fair_sched": {"ttft_s_mean": {"mean": 0.5}}}
     (tmp_path / "gpu_b.json").write_text(json.dumps({"metrics": {"issue@2048@0.85": old}}))
@@ -42,7 +43,8 @@ def test_a_gpu_cell_is_accounted_against_the_stock_servers_that_stayed_up(ms: Mo
     fs = c["policies"]["fair_sched"]
     assert fs["shift"] == pytest.approx(0.4 / 0.5) and fs["e2e_vs_fcfs"] == pytest.approx(0.95)
     text = ms.table(tmp_path, model={})
-    assert text.count("| H100 | issue @ 2048 @ 0.6 |") == 1 and "0.80 (0.50 / 0.95 / 1.00)" in text
+    assert text.count("| H100 | issue @ 2048 @ 0.6 |") == 1 and "| 0.80 (0.50 / 0.95 / 1.00) |" in text
+    assert "| x9 0.50 (0.60 / 0.90 / 1.00) |" in text  # another setting, beside
 
 
 def test_a_cpu_grid_load_with_decode_time_is_a_row(ms: ModuleType, tmp_path: Path) -> None:
