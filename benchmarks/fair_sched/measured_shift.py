@@ -54,11 +54,11 @@ def gpu_cells(d: dict[str, Any]) -> dict[str, dict[str, dict[str, float]]]:
 
 
 def cpu_cells(d: dict[str, Any]) -> dict[str, dict[str, dict[str, float]]]:
-    """The same for a real-CPU-server grid's loads whose seed means carry `decode`."""
+    """The same for a real-CPU-server grid's loads whose seed means carry `decode` (a server that
+    exited is already out of them: `server_grid.py` compares the others on the same seeds)."""
     out = {}
     for load, c in d["metrics"]["cells"].items():
-        gone = set(d["metrics"].get("servers_exited", {}).get(load, ()))
-        pols = {p: m for p, m in c["seed_mean"].items() if "decode" in m and p not in gone}
+        pols = {p: m for p, m in c["seed_mean"].items() if "decode" in m}
         if "fcfs" in pols:
             out[f"{d['trace']}@{d['chunk']}@{load}"] = pols
     return out
