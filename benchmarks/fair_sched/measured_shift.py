@@ -28,6 +28,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import sim_latency_shift as sls  # noqa: E402
+from server_table import gpu_label  # noqa: E402
 
 from kllm_plugins.plugin_docs import replace_generated, rewrite_doc  # noqa: E402
 
@@ -35,6 +36,7 @@ RESULTS = sls.sf.ROOT / "benchmarks" / "results" / "fair_sched"
 DOC = sls.DOC
 STOCK = ("fcfs", "lpm", "shortest-prefill-first", "hrrn")
 SHOWN = ("shortest-prefill-first", "hrrn", "fair_sched")
+MODELLED = "H100, 8 layers"  # the card and model the simulated clock is costed for (`COSTS["h100_8l"]`)
 # a GPU cell's figure (seed mean) for each key of the accounting
 GPU_KEYS = {"mean": "ttft_s_mean", "e2e": "e2e_s_mean", "decode": "decode_s_mean", "tpot": "tpot_s_mean",
             "p99": "ttft_s_p99"}
@@ -65,12 +67,13 @@ def cpu_cells(d: dict[str, Any]) -> dict[str, dict[str, dict[str, float]]]:
 
 
 def measured(folder: Path = RESULTS) -> list[tuple[str, str, dict[str, Any]]]:
-    """(where, cell, accounting) for every measured cell, GPU files first, each file's cells in order."""
+    """(where, cell, accounting) for every measured cell, GPU files first, each file's cells in order;
+    `where` is the GPU file's card (`server_table.gpu_label`) or `CPU`."""
     rows = []
-    for pattern, where, cells in (("gpu_*.json", "H100", gpu_cells), ("server_*.json", "CPU", cpu_cells),
-                                  ("cpu_shift_*.json", "CPU", cpu_cells)):
+    for pattern, cells in (("gpu_*.json", gpu_cells), ("server_*.json", cpu_cells), ("cpu_shift_*.json", cpu_cells)):
         for p in sorted(folder.glob(pattern)):
             d = json.loads(p.read_text(encoding="utf-8"))
+            where = gpu_label(d) if cells is gpu_cells else "CPU"
             for key, pols in cells(d).items():
                 stock = {s: pols[s] for s in STOCK if s in pols}
                 rows.append((where, key, {"file": p.name, "fcfs": pols["fcfs"], "budget": sls.budget(stock),
@@ -89,8 +92,8 @@ def _shift(a: dict[str, Any] | None) -> str:
 def table(folder: Path = RESULTS, model: dict[str, Any] | None = None) -> str:
     """Per measured cell: fcfs's TTFT and decode time, the shift the targets allow, each shown
     policy's shift with its mean TTFT / end-to-end / TPOT ratios to fcfs (then the other fair_sched
-    settings and mixed-chunk stock orders the run had), and for a GPU cell the model's shift
-    allowed and its shifts for the same policies."""
+    settings and mixed-chunk stock orders the run had), and, on the card the model is costed for
+    (`MODELLED`), the model's shift allowed and its shifts for the same policies."""
     if model is None:
         model = json.loads(sls.OUT.read_text(encoding="utf-8"))["metrics"]
     names = [sls.SHORT.get(p, p) for p in SHOWN]
@@ -100,7 +103,7 @@ def table(folder: Path = RESULTS, model: dict[str, Any] | None = None) -> str:
             + " | file |", "|---" * (7 + len(names)) + "|"]
     body = []
     for where, key, c in measured(folder):
-        f, m = c["fcfs"], model.get(key) if where == "H100" else None
+        f, m = c["fcfs"], model.get(key) if where == MODELLED else None
         sim = "-" if m is None else (f"{sls._fmt(m['budget']['shift_allowed'])}; " + " / ".join(
             sls._fmt(m["policies"][p]["shift"]) for p in SHOWN))
         others = "; ".join(f"{p.split('/')[-1]} {_shift(a)}" for p, a in c["policies"].items()
