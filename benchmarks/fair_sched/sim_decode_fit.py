@@ -3,8 +3,8 @@
 `sim_engine.COSTS["h100_8l"]` took its decode step (5.5 ms, `PRIOR`) from fcfs's mean TPOT on one
 `issue` run, which holds the stalls a decode suffers behind prefill passes as well as the step
 itself. This refits that one number (`dec_base`; `sim_engine` now carries the fit) on what fcfs did
-on every H100 8-layer run recorded at issue 27's loads (`gpu_loads*_8l_h100.json`,
-`gpu_mixed_*_8l_h100.json`, `gpu_x0m_*_8l_h100.json`, `gpu_x512m_*_8l_h100.json`) at chunk 2048 (`FIT_CHUNK`):
+on every H100 8-layer run recorded at several loads (issue 27's; `gpu_*_8l_h100.json` whose
+`settings.load` is a list) at chunk 2048 (`FIT_CHUNK`):
 
 * fcfs's mean TPOT in each cell, replayed on the GPU's own seeds at the GPU's own rate (its
   measured capacity times the load) with the run's KV pool;
@@ -17,7 +17,8 @@ beside it. The
 per-request decode cost (`dec_row`) stays a quarter of the H200's: raised together with a smaller
 step it fits as well (a valley from 1.5 ms + 400 us to 3.5 ms + 7.8 us, RMS 0.078-0.089, found by
 hand on a grid), so these runs do not tell the two apart. The other policies' TPOT and mean TTFT
-ratios to fcfs, which the fit did not see, are printed beside the GPU's as the check.
+ratios to fcfs, which the fit did not see, are printed beside the GPU's as the check: every
+server a file ran, its model setup taken from the file's own settings (`checked`).
 
     python benchmarks/fair_sched/sim_decode_fit.py [--record]
 """
@@ -36,6 +37,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import grid  # noqa: E402
+import serving  # noqa: E402
 import sim_engine as se  # noqa: E402
 import traces as tr  # noqa: E402
 from sim_gpu_replay import seed_runs  # noqa: E402
@@ -49,22 +51,34 @@ GRID_MS = [x / 4 for x in range(8, 25)]  # dec_base 2.0 .. 6.0 ms
 PRIOR_MS = 5.5  # the decode step `h100_8l` carried before this fit
 FIT_UNTIL = "2026-12-07T08"  # runs recorded from then on were not there when the fit was made: held out
 FIT_CHUNK = 2048  # the cells the fit sees; the others are held out
-# name in the GPU file: (model policy, fair_sched options or None for a stock order)
-CHECKED = {"shortest-prefill-first": ("shortest-prefill-first", None), "hrrn": ("hrrn", None),
-           "shortest-prefill-first+mixed": (se.EngineWith("shortest-prefill-first", mixed=True), None),
-           "fair_sched": ("fair_sched", []), "fair_sched/mixed": ("fair_sched", ["mixed_decode=1"]),
-           "fair_sched/x0m": ("fair_sched", ["mixed_decode=1", "short_extra_tokens=0"]),
-           "fair_sched/x512m": ("fair_sched", ["mixed_decode=1", "short_extra_tokens=512"])}
+
+
+def checked(settings: dict[str, Any]) -> dict[str, tuple[Any, list[str] | None]]:
+    """The servers a GPU file ran, other than fcfs, by their name in it: (model policy, fair_sched
+    options, None for a stock order). From the file's own settings: its `--variant`s
+    (`serving.parse_variant`) and its stock orders with SGLang's mixed chunk (`--mixed-chunk-stock`).
+    lpm is left out: the model has no prefix cache, so it is fcfs there."""
+    out: dict[str, tuple[Any, list[str] | None]] = {
+        p: (p, None) for p in settings["policies"] if p in se.STOCK and p != "fcfs"}
+    if "fair_sched" in settings["policies"]:
+        out["fair_sched"] = ("fair_sched", [])
+    for p in settings.get("mixed_chunk_stock") or []:
+        out[f"{p}+mixed"] = (se.EngineWith(p, mixed=True), None)
+    for spec in settings.get("variants") or []:
+        name, env = serving.parse_variant(spec)
+        out[name] = ("fair_sched", [f"{k.removeprefix('KLLM_FAIR_SCHED_').lower()}={v}" for k, v in env.items()])
+    return out
 
 
 def cells(folder: Path = RESULTS) -> list[dict[str, Any]]:
     """Every H100 8-layer cell at several loads with fcfs in it: trace, load, the GPU's rate, seeds
     and per-policy seed means (TPOT, mean TTFT) on the seeds the cell compares."""
     out = []
-    files = (p for pattern in ("gpu_loads*", "gpu_mixed_*", "gpu_x0m_*", "gpu_x512m_*") for p in folder.glob(pattern + "_8l_h100.json"))
-    for path in sorted(files):
+    for path in sorted(folder.glob("gpu_*_8l_h100.json")):
         d = json.loads(path.read_text(encoding="utf-8"))
         s = d["settings"]
+        if not isinstance(s.get("load"), list):
+            continue  # one load (the load-0.8 family): not issue 27's loads
         for key, cell in d["metrics"].items():
             trace, chunk, load = key.split("@")
             if "fcfs" not in cell:
@@ -147,7 +161,7 @@ def check(cs: list[dict[str, Any]], dec_base_ms: float) -> dict[str, Any]:
         fc = {k: _runs(c, cm, "fcfs", None) for k, cm in costs.items()}
         row: dict[str, Any] = {"fcfs_tpot_ms": {"gpu": c["gpu"]["fcfs"]["tpot"] * 1e3,
                                                 **{k: v["tpot"] * 1e3 for k, v in fc.items()}}}
-        for name, (policy, env) in CHECKED.items():
+        for name, (policy, env) in checked(c["settings"]).items():
             if name not in c["gpu"]:
                 continue
             g, f = c["gpu"][name], c["gpu"]["fcfs"]
