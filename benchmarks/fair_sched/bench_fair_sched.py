@@ -30,7 +30,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from report import POLICIES, append_results_md, plot, table, write_json  # noqa: E402
-from serving import Job, fair_totals, run_jobs, sglang_server  # noqa: E402
+from serving import Job, Prefill, fair_totals, run_jobs, sglang_server  # noqa: E402
 from workload import MIXES, Mix, make_trace, summarize  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -85,9 +85,49 @@ def start_servers(stack: ExitStack, policies: list[str], args: Any, model: str) 
     return servers
 
 
-def warm_up(url: str, tag: str) -> None:
+# prefill/decode disaggregation on a CPU (as tests/sglang/test_bigpd_router_e2e.py): Mooncake over
+# TCP, with the bigpd_router plugin's shim that makes its transfer work without CUDA
+PD_ENV = {"MOONCAKE_PROTOCOL": "tcp", "MC_FORCE_TCP": "1",
+          "KLLM_EXTRA_PLUGINS": "kllm_plugins.plugins.bigpd_router.hookimpls"}
+PD_ARGS = ["--disaggregation-transfer-backend", "mooncake", "--disable-overlap-schedule"]
+
+
+def start_pd_servers(stack: ExitStack, policies: list[str], args: Any, model: str) -> tuple[dict[str, Any], Any, dict[str, Prefill]]:
+    """One prefill server per policy (SGLang's `--disaggregation-mode prefill`, the policy's order
+    or fair_sched) and one decode server they all hand their requests to; each process runs
+    `args.threads` torch threads, so a prefill and the decode server do not share a core when
+    threads x 2 <= cores. Returns (prefill servers by policy, the decode server, each prefill's
+    bootstrap for `run_jobs`)."""
+    from kllm_plugins.testing.sglang_server import PORT_PLACEHOLDER
+
+    env = {**PD_ENV, "OMP_NUM_THREADS": str(args.threads)}
+    decode = sglang_server(model, plugins=["bigpd_router"], max_total_tokens=args.max_total_tokens, env=env, extra_args=[
+        *PD_ARGS, "--dtype", args.dtype, "--disaggregation-mode", "decode", "--disaggregation-bootstrap-port",
+        PORT_PLACEHOLDER, "--disaggregation-decode-retraction-backup", "cpu_tensor"])
+    prefills = {}
+    for policy in policies:
+        fair = policy == "fair_sched" or policy.startswith("fair_sched/")
+        penv = {**env, **(dict(kv.split("=", 1) for kv in args.fair_env) if fair else {}),
+                **getattr(args, "variants", {}).get(policy, {})}
+        prefills[policy] = sglang_server(
+            model, plugins=["fair_sched", "bigpd_router"] if fair else ["bigpd_router"], max_total_tokens=args.max_total_tokens,
+            env=penv, extra_args=["--chunked-prefill-size", str(args.chunk), "--schedule-policy", "fcfs" if fair else policy,
+                                  "--dtype", args.dtype, *PD_ARGS, "--disaggregation-mode", "prefill",
+                                  "--disaggregation-bootstrap-port", PORT_PLACEHOLDER])
+    for srv in (decode, *prefills.values()):
+        stack.callback(srv.stop)
+    t0 = time.time()
+    with ThreadPoolExecutor(len(prefills) + 1) as pool:
+        list(pool.map(lambda s: s.start(), (decode, *prefills.values())))
+    print(f"{len(prefills)} prefill servers and a decode server up in {time.time() - t0:.0f}s", flush=True)
+    boot = {p: Prefill(srv.base_url, "127.0.0.1", int(srv.get_json("/server_info")["disaggregation_bootstrap_port"]))
+            for p, srv in prefills.items()}
+    return prefills, decode, boot
+
+
+def warm_up(url: str, tag: str, pd: Prefill | None = None) -> None:
     rng = random.Random(7)
-    run_jobs(url, [Job(f"warm-{tag}-{i}", 0.0, rand_ids(rng, n), 8, "short") for i, n in enumerate((80, 300, 1500, 80))])
+    run_jobs(url, [Job(f"warm-{tag}-{i}", 0.0, rand_ids(rng, n), 8, "short") for i, n in enumerate((80, 300, 1500, 80))], pd)
 
 
 def measure(url: str, mix: Mix, n_cal: int) -> dict[str, float]:

@@ -10,6 +10,11 @@ checks the issue's targets on seed means, and checks that every request's output
 to fcfs's. Records a small summary to `benchmarks/results/fair_sched/server_<trace>_<chunk>.json`.
 
     flock /tmp/kllm-bench.lock .venv/bin/python benchmarks/fair_sched/server_grid.py --trace bursty --requests 120 --seeds 2
+
+`--pd` runs the same grid with prefill and decode disaggregated (SGLang's `--disaggregation-mode`,
+Mooncake over TCP): each policy orders its own prefill server, and one decode server, shared by
+all, streams every request (`server_pd_<trace>_<chunk>.json`). A prefill server never decodes, so
+the order of prefills reaches TPOT only through the decode batch.
 """
 from __future__ import annotations
 
@@ -26,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import targets  # noqa: E402
 import traces as tr  # noqa: E402
-from bench_fair_sched import counters, flush_cache, start_servers, warm_up  # noqa: E402
+from bench_fair_sched import counters, flush_cache, start_pd_servers, start_servers, warm_up  # noqa: E402
 from serving import Job, Outcome, parse_variant, run_jobs  # noqa: E402
 
 from kllm_plugins.bench.progress import Progress  # noqa: E402
@@ -75,6 +80,9 @@ def main() -> None:
     ap.add_argument("--variant", action="append", default=[], metavar="TAG:KEY=V[,KEY=V]",
                     help="also run fair_sched with these KLLM_FAIR_SCHED_* options as policy fair_sched/TAG "
                          "(an ablation beside the defaults; not in the targets)")
+    ap.add_argument("--pd", action="store_true",
+                    help="prefill/decode disaggregation: each policy orders a prefill server, one decode server serves them all")
+    ap.add_argument("--threads", type=int, default=1, help="--pd: torch threads per server process")
     ap.add_argument("--shared", default="shared 2-core, several helpers", help="what shares the machine")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
@@ -95,12 +103,18 @@ def main() -> None:
     exited: dict[str, dict[str, Any]] = {}
     """Policies whose server died mid-run (SGLang's own errors, e.g. its chunk overcommit): left out."""
     with ExitStack() as stack:
-        servers = start_servers(stack, args.policies, args, str(tiny_llama_path()))
-        for name, srv in servers.items():
-            warm_up(srv.base_url, name)
+        decode, boot = None, {}
+        if args.pd:
+            servers, decode, boot = start_pd_servers(stack, args.policies, args, str(tiny_llama_path()))
+        else:
+            servers = start_servers(stack, args.policies, args, str(tiny_llama_path()))
+        # where a policy's requests go: its server, or (--pd) the decode server with its prefill server's bootstrap
+        url = {p: (decode or srv).base_url for p, srv in servers.items()}
+        for name in servers:
+            warm_up(url[name], name, boot.get(name))
         burst = jobs_for(args.trace, args.cal_requests, 0.0, 999, long_tokens, "cal")
         t0 = time.perf_counter()
-        run_jobs(servers["fcfs"].base_url, burst)
+        run_jobs(url["fcfs"], burst, boot.get("fcfs"))
         capacity = args.cal_requests / (time.perf_counter() - t0)
         print(f"capacity {capacity:.3f} req/s ({args.trace}, burst of {args.cal_requests})", flush=True)
         bar = Progress(args.seeds * len(args.policies) * len(args.loads), f"{args.trace} grid")
@@ -110,21 +124,23 @@ def main() -> None:
                 srv = servers[policy]
                 for load in args.loads:
                     jobs = jobs_for(args.trace, args.requests, load * capacity, seed, long_tokens, f"l{load}")
-                    flush_cache(srv)
+                    for s in (srv, decode) if decode else (srv,):
+                        flush_cache(s)
                     before = counters(srv) if policy == "fair_sched" else {}
                     t0 = time.perf_counter()
                     try:
-                        outs = run_jobs(srv.base_url, jobs)
+                        outs = run_jobs(url[policy], jobs, boot.get(policy))
                     except Exception as exc:  # noqa: BLE001 - a server that dies is recorded and left out
                         exited[policy] = {"seed": seed, "load": load, "error": repr(exc)[:300],
-                                          "server_log": [ln[:300] for ln in srv.grep_log(SERVER_DEATH)][:6]}
+                                          "server_log": [ln[:300] for s in (srv, decode) if s for ln in s.grep_log(SERVER_DEATH)][:6]}
                         print(f"[{time.time() - t_start:5.0f}s] {policy}@{load}/s{seed}: FAILED {exc!r}; left out: "
                               f"{exited[policy]['server_log']}", flush=True)
                         break
                     row = run_summary(outs, time.perf_counter() - t0)
-                    retracts = len(srv.grep_log(RETRACT_LOG))  # cumulative in the server's log
-                    row["retract_logs"] = float(retracts - seen_retracts.get(policy, 0))
-                    seen_retracts[policy] = retracts
+                    log_of = "decode" if decode else policy  # the server that decodes this policy's requests
+                    retracts = len((decode or srv).grep_log(RETRACT_LOG))  # cumulative in the server's log
+                    row["retract_logs"] = float(retracts - seen_retracts.get(log_of, 0))
+                    seen_retracts[log_of] = retracts
                     per.setdefault((load, policy), []).append(row)
                     outputs[(load, seed, policy)] = {o.rid: o.output_ids for o in outs}
                     if before:
@@ -170,9 +186,12 @@ def main() -> None:
                             shared=args.shared, trace=args.trace, chunk=args.chunk, requests_per_run=args.requests,
                             seeds=args.seeds, capacity_req_s=capacity, long_prompt_over_tokens=long_tokens,
                             fair_env=args.fair_env, wall_s=round(time.time() - t_start),
+                            pd={"threads_per_server": args.threads} if args.pd else None,
                             notes="real CPU SGLang servers (kllm_cpu), tiny model float32, greedy; policies interleaved "
-                                  "per seed (ABBA); ratios on seed means")
-    path = args.out or str(result_path("fair_sched", f"server_{args.trace}_{args.chunk}"))
+                                  "per seed (ABBA); ratios on seed means" +
+                                  ("; prefill/decode disaggregated: the policy orders a prefill server, one decode "
+                                   "server (Mooncake over TCP) serves every policy" if args.pd else ""))
+    path = args.out or str(result_path("fair_sched", f"server_{'pd_' if args.pd else ''}{args.trace}_{args.chunk}"))
     write_summary(path, summary)
     print(f"wrote {path}", flush=True)
 

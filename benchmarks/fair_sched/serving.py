@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import tempfile
 import time
 from dataclasses import dataclass
@@ -107,15 +108,38 @@ class Outcome:
         return (self.latency_s - self.ttft_s) / (self.output_len - 1) if self.output_len > 1 else 0.0
 
 
-async def _one(session: aiohttp.ClientSession, url: str, job: Job, t0: float) -> Outcome:
+@dataclass(frozen=True)
+class Prefill:
+    """A prefill server of a disaggregated pair (SGLang's `--disaggregation-mode prefill`): each
+    request goes to it (not streamed) and to the decode server (streamed, timed) with the same
+    bootstrap room, as a PD router sends it."""
+    url: str
+    host: str
+    bootstrap_port: int
+
+
+async def _prefill_side(session: aiohttp.ClientSession, pd: Prefill, payload: dict[str, Any]) -> None:
+    async with session.post(pd.url + "/generate", json={**payload, "stream": False}) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"prefill {pd.url} answered {resp.status}: {(await resp.text())[:200]}")
+        await resp.read()
+
+
+async def _one(session: aiohttp.ClientSession, url: str, job: Job, t0: float, pd: Prefill | None = None) -> Outcome:
     await asyncio.sleep(max(0.0, t0 + job.arrival_s - time.perf_counter()))
-    payload = {
+    payload: dict[str, Any] = {
         "input_ids": job.input_ids,
         "sampling_params": {"max_new_tokens": job.max_new_tokens, "temperature": 0.0, "ignore_eos": True},
         "stream": True,
         "rid": job.rid,
     }
+    side = None
+    if pd is not None:
+        payload.update(bootstrap_host=pd.host, bootstrap_port=pd.bootstrap_port, bootstrap_room=random.getrandbits(63))
+        side = asyncio.create_task(_prefill_side(session, pd, payload))
     r = await astream(session, url + "/generate", payload)
+    if side is not None:
+        await side
     if not r.ok or not r.done:
         raise RuntimeError(f"request {job.rid}: {r.error or f'status {r.status}, stream not finished'}")
     out_ids = list(r.last.get("output_ids") or [])
@@ -123,7 +147,7 @@ async def _one(session: aiohttp.ClientSession, url: str, job: Job, t0: float) ->
                    r.meta.get("finish_reason"), int(r.meta.get("cached_tokens", 0) or 0))
 
 
-async def _run(url: str, jobs: Sequence[Job]) -> list[Outcome]:
+async def _run(url: str, jobs: Sequence[Job], pd: Prefill | None = None) -> list[Outcome]:
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
     # One fresh connection per request: a pooled keep-alive connection that the server closed
     # after its idle timeout fails with "Cannot write to closing transport" (it cut a run at
@@ -131,11 +155,13 @@ async def _run(url: str, jobs: Sequence[Job]) -> list[Outcome]:
     connector = aiohttp.TCPConnector(limit=0, force_close=True)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         t0 = time.perf_counter()
-        return list(await asyncio.gather(*(_one(session, url, j, t0) for j in jobs)))
+        return list(await asyncio.gather(*(_one(session, url, j, t0, pd) for j in jobs)))
 
 
-def run_jobs(url: str, jobs: Sequence[Job]) -> list[Outcome]:
-    return asyncio.run(_run(url, jobs))
+def run_jobs(url: str, jobs: Sequence[Job], pd: Prefill | None = None) -> list[Outcome]:
+    """Send `jobs` at their arrival times to the server at `url` and time them; with `pd`, `url`
+    is the decode server of a disaggregated pair and `pd` its prefill server."""
+    return asyncio.run(_run(url, jobs, pd))
 
 
 def fair_totals(srv: Any, keys: Sequence[str]) -> dict[str, float]:

@@ -376,7 +376,7 @@ def simulate(trace: list[TraceRequest], rate: float, policy: Any, chunk: int, cm
             reqs[nxt].clock = e.clock
             e.waiting.append(reqs[nxt])
             nxt += 1
-        if not e.waiting and not e.partial and not e.running:
+        if not e.waiting and not e.partial and not e.running and not getattr(policy, "suspended", None):
             e.t = began = reqs[nxt].arrival
             continue
         e.seen_t = began if overlap else e.t
@@ -447,7 +447,7 @@ def summary(reqs: list[Req], long_tokens: int) -> dict[str, float]:
     return {"mean": statistics.fmean(ttft), "p90": pct(ttft, 0.9), "p99": pct(ttft, 0.99),
             "short_p90": pct(short, 0.9) if short else math.nan,
             "long_mean": statistics.fmean(long_) if long_ else math.nan,
-            "tpot": statistics.fmean(tpot),
+            "tpot": statistics.fmean(tpot) if tpot else math.nan,  # none: every output one token
             "throughput": len(reqs) / (max(r.finish_s for r in reqs) - min(r.arrival for r in reqs)),
             # end to end (arrival to last token) and its decode part (first token to last), means
             "e2e": statistics.fmean(r.finish_s - r.arrival for r in reqs),

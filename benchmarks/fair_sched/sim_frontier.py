@@ -31,6 +31,7 @@ those that also keep P99 at or below fcfs's; and the candidate nearest to meetin
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import statistics
@@ -113,12 +114,19 @@ def _checked(name: str, m: dict[str, float], stock: dict[str, dict[str, float]])
 
 
 def baselines(trace: str, chunk: int, load: float, seeds: int, cm: se.Costs = se.COSTS["h100_8l"],
-              keys: tuple[str, ...] = grid.METRICS) -> tuple[float, float, list[Any], dict[str, dict[str, float]]]:
+              keys: tuple[str, ...] = grid.METRICS, prefill_only: bool = False,
+              ) -> tuple[float, float, list[Any], dict[str, dict[str, float]]]:
     """One cell as the GPU grid ran it: the fcfs capacity (a burst of the trace), the rate at
-    `load` of it, the seeds' requests and the stock orders' seed means of `keys`."""
+    `load` of it, the seeds' requests and the stock orders' seed means of `keys`. `prefill_only`:
+    the prefill server of a disaggregated pair, which hands each request off at its first token
+    (every output is one token: no decode pass runs)."""
     scale = tr.gpu_scale(TRACE_CHUNK, MAX_PROMPT, *OUTPUTS)
-    cap = se.capacity(tr.make(trace, scale, CAL_REQUESTS, 99), chunk, cm, pool_tokens=POOL)
-    rate, jobs = load * cap, [tr.make(trace, scale, 30, seed) for seed in range(seeds)]
+
+    def make(n: int, seed: int) -> list[Any]:
+        reqs = tr.make(trace, scale, n, seed)
+        return [dataclasses.replace(r, output_len=1) for r in reqs] if prefill_only else reqs
+    cap = se.capacity(make(CAL_REQUESTS, 99), chunk, cm, pool_tokens=POOL)
+    rate, jobs = load * cap, [make(30, seed) for seed in range(seeds)]
     return cap, rate, jobs, {p: _means(jobs, rate, chunk, p, None, cm, keys) for p in STOCK}
 
 
