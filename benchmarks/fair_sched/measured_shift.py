@@ -68,12 +68,13 @@ def cpu_cells(d: dict[str, Any]) -> dict[str, dict[str, dict[str, float]]]:
 
 def measured(folder: Path = RESULTS) -> list[tuple[str, str, dict[str, Any]]]:
     """(where, cell, accounting) for every measured cell, GPU files first, each file's cells in order;
-    `where` is the GPU file's card (`server_table.gpu_label`) or `CPU`."""
+    `where` is the GPU file's card (`server_table.gpu_label`), `CPU`, or `CPU, prefill/decode
+    disaggregated` (`server_grid.py --pd`)."""
     rows = []
     for pattern, cells in (("gpu_*.json", gpu_cells), ("server_*.json", cpu_cells), ("cpu_shift_*.json", cpu_cells)):
         for p in sorted(folder.glob(pattern)):
             d = json.loads(p.read_text(encoding="utf-8"))
-            where = gpu_label(d) if cells is gpu_cells else "CPU"
+            where = gpu_label(d) if cells is gpu_cells else "CPU, prefill/decode disaggregated" if d.get("pd") else "CPU"
             for key, pols in cells(d).items():
                 stock = {s: pols[s] for s in STOCK if s in pols}
                 rows.append((where, key, {"file": p.name, "fcfs": pols["fcfs"], "budget": sls.budget(stock),

@@ -33,9 +33,11 @@ COLUMNS = (("mean <= best stock", "mean vs best stock"), ("short p90 <= best sto
            ("tpot <= 1.3x fcfs", "TPOT vs fcfs"), ("throughput >= 0.98x fcfs", "throughput vs fcfs"))
 
 
-def summaries(folder: Path = RESULTS) -> list[dict[str, Any]]:
-    """The recorded grids, ordered by trace then chunk."""
-    out = [json.loads(p.read_text(encoding="utf-8")) for p in sorted(folder.glob("server_*_*.json"))]
+def summaries(folder: Path = RESULTS, pd: bool = False) -> list[dict[str, Any]]:
+    """The recorded grids, ordered by trace then chunk: on one server each, or (`pd`) with prefill
+    and decode disaggregated (`server_grid.py --pd`, a `pd` field)."""
+    out = [d for d in (json.loads(p.read_text(encoding="utf-8")) for p in sorted(folder.glob("server_*_*.json")))
+           if bool(d.get("pd")) == pd]
     return sorted(out, key=lambda d: (str(d["trace"]), int(d["chunk"]), int(d.get("requests_per_run", 0)),
                                       str(d.get("date", ""))))
 
@@ -67,10 +69,10 @@ def outputs_cell(shares: dict[str, float]) -> str:
     return text + (f" (stock: {', '.join(others)})" if others else "")
 
 
-def table(folder: Path = RESULTS) -> str:
+def table(folder: Path = RESULTS, pd: bool = False) -> str:
     head = ["| trace | chunk | load | requests | seeds | recorded | best stock (mean) | "
             + " | ".join(h for _, h in COLUMNS) + " | outputs = fcfs |", "|" + "---|" * (len(COLUMNS) + 8)]
-    body = [r for s in summaries(folder) for r in rows(s)]
+    body = [r for s in summaries(folder, pd) for r in rows(s)]
     return "\n".join(head + body) + "\n"
 
 
@@ -189,6 +191,7 @@ def render(doc_text: str, folder: Path = RESULTS) -> str:
     """`doc_text` with its generated server-grid and gpu-grid blocks rewritten (one-line error without markers)."""
     cmd = "python benchmarks/fair_sched/server_table.py --write"
     text = replace_generated(doc_text, "server-grid", table(folder), cmd, "docs/fair_sched.md")
+    text = replace_generated(text, "server-grid-pd", table(folder, pd=True), cmd, "docs/fair_sched.md")
     text = replace_generated(text, "gpu-grid", gpu_table(folder), cmd, "docs/fair_sched.md")
     return replace_generated(text, "gpu-trade", trade_table(folder), cmd, "docs/fair_sched.md")
 
@@ -198,7 +201,7 @@ def main() -> int:
     ap.add_argument("--write", action="store_true", help="rewrite the table in docs/fair_sched.md")
     a = ap.parse_args()
     if not a.write:
-        sys.stdout.write(table() + "\n" + gpu_table() + "\n" + trade_table())
+        sys.stdout.write(table() + "\n" + table(pd=True) + "\n" + gpu_table() + "\n" + trade_table())
         return 0
     rewrite_doc(DOC, render)
     return 0

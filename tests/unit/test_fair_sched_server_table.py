@@ -37,3 +37,16 @@ def test_rows_mark_missed_targets_and_name_the_best_stock_policy(
     assert st.table(tmp_path).splitlines()[2].split(" | ")[6] == "shortest-prefill-first (lpm exited)"
     with pytest.raises(SystemExit, match="no <!-- generated:server-grid -->"):
         st.render("no markers here", tmp_path)
+
+
+def test_a_disaggregated_grid_has_its_own_table(bench_module: Callable[[str, str], ModuleType], tmp_path: Path) -> None:
+    st = bench_module("fair_sched", "server_table")
+    means = {p: {"mean": 1.0} for p in ("fcfs", "shortest-prefill-first", "fair_sched")}
+    targets = {k: {"value": 1.0, "target": 1.0, "met": True} for k, _ in st.COLUMNS}
+    cell = {"seed_mean": means, "targets": targets, "outputs_identical_to_fcfs": {"fair_sched": 1.0}}
+    for name, trace, pd in (("server_x_128.json", "x", None), ("server_pd_y_128.json", "y", {"threads_per_server": 1})):
+        (tmp_path / name).write_text(json.dumps(
+            {"trace": trace, "chunk": 128, "seeds": 2, "date": "2026-12-07", "requests_per_run": 120, "pd": pd,
+             "metrics": {"cells": {"0.6": cell}}}))
+    one, pd_rows = st.table(tmp_path).splitlines()[2:], st.table(tmp_path, pd=True).splitlines()[2:]
+    assert [r.split(" | ")[0] for r in one] == ["| x"] and [r.split(" | ")[0] for r in pd_rows] == ["| y"]
