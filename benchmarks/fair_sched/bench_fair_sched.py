@@ -23,15 +23,16 @@ import signal
 import statistics
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
-from typing import Any
+from typing import Any, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from report import POLICIES, append_results_md, plot, table, write_json  # noqa: E402
 from serving import Job, Prefill, fair_totals, run_jobs, sglang_server  # noqa: E402
 from workload import MIXES, Mix, make_trace, summarize  # noqa: E402
+
+from kllm_plugins.testing.sglang_server import PD_CPU_ENV, pd_cpu_args, start_all  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -65,61 +66,48 @@ def wait_for_quiet(max_s: float, busy_below: float = 0.3) -> float:
     return busy
 
 
-def start_servers(stack: ExitStack, policies: list[str], args: Any, model: str) -> dict[str, Any]:
-    servers = {}
-    variants = getattr(args, "variants", {})  # "fair_sched/<tag>": fair_sched with these options on top
-    for policy in policies:
-        fair = policy == "fair_sched" or policy.startswith("fair_sched/")
-        env = dict(kv.split("=", 1) for kv in args.fair_env) if fair else {}
-        env.update(variants.get(policy, {}))
-        extra = ["--chunked-prefill-size", str(args.chunk), "--schedule-policy",
-                 "fcfs" if fair else policy, "--dtype", args.dtype]
-        servers[policy] = sglang_server(model, plugins=["fair_sched"] if fair else [],
-                                        extra_args=extra, max_total_tokens=args.max_total_tokens, env=env)
-    for srv in servers.values():
+def policy_server(model: str, policy: str, args: Any, env: dict[str, str] | None = None,
+                  plugins: Sequence[str] = (), extra_args: Sequence[str] = ()) -> Any:
+    """The (unstarted) server that runs `policy`: stock SGLang with `--schedule-policy`, or fcfs with
+    the fair_sched plugin (`fair_sched`, or `fair_sched/<tag>` with `args.variants[policy]` on top of
+    `args.fair_env`); `env`, `plugins` and `extra_args` are added for every policy."""
+    fair = policy == "fair_sched" or policy.startswith("fair_sched/")
+    penv = {**(env or {}), **(dict(kv.split("=", 1) for kv in args.fair_env) if fair else {}),
+            **getattr(args, "variants", {}).get(policy, {})}
+    return sglang_server(model, plugins=["fair_sched", *plugins] if fair else list(plugins),
+                         extra_args=["--chunked-prefill-size", str(args.chunk), "--schedule-policy",
+                                     "fcfs" if fair else policy, "--dtype", args.dtype, *extra_args],
+                         max_total_tokens=args.max_total_tokens, env=penv)
+
+
+def _start(stack: ExitStack, servers: Sequence[Any]) -> float:
+    """Start `servers` together (each stopped when `stack` closes, a TERM during start-up
+    included); seconds it took."""
+    for srv in servers:
         stack.callback(srv.stop)  # registered first: a TERM during start-up still stops them
     t0 = time.time()
-    with ThreadPoolExecutor(len(servers)) as pool:
-        list(pool.map(lambda s: s.start(), servers.values()))
-    print(f"{len(servers)} servers up in {time.time() - t0:.0f}s", flush=True)
+    start_all(servers)
+    return time.time() - t0
+
+
+def start_servers(stack: ExitStack, policies: list[str], args: Any, model: str) -> dict[str, Any]:
+    servers = {p: policy_server(model, p, args) for p in policies}
+    print(f"{len(servers)} servers up in {_start(stack, list(servers.values())):.0f}s", flush=True)
     return servers
 
 
-# prefill/decode disaggregation on a CPU (as tests/sglang/test_bigpd_router_e2e.py): Mooncake over
-# TCP, with the bigpd_router plugin's shim that makes its transfer work without CUDA
-PD_ENV = {"MOONCAKE_PROTOCOL": "tcp", "MC_FORCE_TCP": "1",
-          "KLLM_EXTRA_PLUGINS": "kllm_plugins.plugins.bigpd_router.hookimpls"}
-PD_ARGS = ["--disaggregation-transfer-backend", "mooncake", "--disable-overlap-schedule"]
-
-
 def start_pd_servers(stack: ExitStack, policies: list[str], args: Any, model: str) -> tuple[dict[str, Any], Any, dict[str, Prefill]]:
-    """One prefill server per policy (SGLang's `--disaggregation-mode prefill`, the policy's order
-    or fair_sched) and one decode server they all hand their requests to; each process runs
-    `args.threads` torch threads, so a prefill and the decode server do not share a core when
+    """Prefill and decode disaggregated on a CPU (`PD_CPU_ENV`, `pd_cpu_args`): one prefill server
+    per policy (`policy_server`) and one decode server they all hand their requests to; each process
+    runs `args.threads` torch threads, so a prefill and the decode server do not share a core when
     threads x 2 <= cores. Returns (prefill servers by policy, the decode server, each prefill's
     bootstrap for `run_jobs`)."""
-    from kllm_plugins.testing.sglang_server import PORT_PLACEHOLDER
-
-    env = {**PD_ENV, "OMP_NUM_THREADS": str(args.threads)}
-    decode = sglang_server(model, plugins=["bigpd_router"], max_total_tokens=args.max_total_tokens, env=env, extra_args=[
-        *PD_ARGS, "--dtype", args.dtype, "--disaggregation-mode", "decode", "--disaggregation-bootstrap-port",
-        PORT_PLACEHOLDER, "--disaggregation-decode-retraction-backup", "cpu_tensor"])
-    prefills = {}
-    for policy in policies:
-        fair = policy == "fair_sched" or policy.startswith("fair_sched/")
-        penv = {**env, **(dict(kv.split("=", 1) for kv in args.fair_env) if fair else {}),
-                **getattr(args, "variants", {}).get(policy, {})}
-        prefills[policy] = sglang_server(
-            model, plugins=["fair_sched", "bigpd_router"] if fair else ["bigpd_router"], max_total_tokens=args.max_total_tokens,
-            env=penv, extra_args=["--chunked-prefill-size", str(args.chunk), "--schedule-policy", "fcfs" if fair else policy,
-                                  "--dtype", args.dtype, *PD_ARGS, "--disaggregation-mode", "prefill",
-                                  "--disaggregation-bootstrap-port", PORT_PLACEHOLDER])
-    for srv in (decode, *prefills.values()):
-        stack.callback(srv.stop)
-    t0 = time.time()
-    with ThreadPoolExecutor(len(prefills) + 1) as pool:
-        list(pool.map(lambda s: s.start(), (decode, *prefills.values())))
-    print(f"{len(prefills)} prefill servers and a decode server up in {time.time() - t0:.0f}s", flush=True)
+    env = {**PD_CPU_ENV, "OMP_NUM_THREADS": str(args.threads)}
+    decode = sglang_server(model, plugins=["bigpd_router"], max_total_tokens=args.max_total_tokens, env=env,
+                           extra_args=[*pd_cpu_args("decode"), "--dtype", args.dtype])
+    prefills = {p: policy_server(model, p, args, env, ["bigpd_router"], pd_cpu_args("prefill")) for p in policies}
+    took = _start(stack, [decode, *prefills.values()])
+    print(f"{len(prefills)} prefill servers and a decode server up in {took:.0f}s", flush=True)
     boot = {p: Prefill(srv.base_url, "127.0.0.1", int(srv.get_json("/server_info")["disaggregation_bootstrap_port"]))
             for p, srv in prefills.items()}
     return prefills, decode, boot

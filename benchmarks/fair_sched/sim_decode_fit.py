@@ -66,7 +66,7 @@ def checked(settings: dict[str, Any]) -> dict[str, tuple[Any, list[str] | None]]
         out[f"{p}+mixed"] = (se.EngineWith(p, mixed=True), None)
     for spec in settings.get("variants") or []:
         name, env = serving.parse_variant(spec)
-        out[name] = ("fair_sched", [f"{k.removeprefix('KLLM_FAIR_SCHED_').lower()}={v}" for k, v in env.items()])
+        out[name] = ("fair_sched", [f"{k}={v}" for k, v in env.items()])  # grid.config_from reads KLLM_ names
     return out
 
 

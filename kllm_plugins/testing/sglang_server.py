@@ -26,6 +26,21 @@ from typing import Any, Mapping, Sequence
 PORT_PLACEHOLDER = "{free_port}"
 """In an extra argument, replaced by a free port at each start attempt (e.g. a KV-event endpoint)."""
 
+PD_CPU_ENV = {"MOONCAKE_PROTOCOL": "tcp", "MC_FORCE_TCP": "1",
+              "KLLM_EXTRA_PLUGINS": "kllm_plugins.plugins.bigpd_router.hookimpls"}
+"""Environment of a server of a prefill/decode pair on a CPU: Mooncake over TCP, and the
+bigpd_router plugin's shim that makes its transfer work without CUDA (with `pd_cpu_args`)."""
+
+
+def pd_cpu_args(role: str) -> list[str]:
+    """SGLang arguments of a server in `role` ("prefill" or "decode") of a prefill/decode pair on a
+    CPU: Mooncake transfer, no overlap scheduling (a prefill server's records torch.cuda events when
+    a cached prefix is sent early), a bootstrap port, and on decode the cpu_tensor retraction backup
+    (the default host_pool pins memory through CUDA)."""
+    out = ["--disaggregation-transfer-backend", "mooncake", "--disable-overlap-schedule",
+           "--disaggregation-mode", role, "--disaggregation-bootstrap-port", PORT_PLACEHOLDER]
+    return out + (["--disaggregation-decode-retraction-backup", "cpu_tensor"] if role == "decode" else [])
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

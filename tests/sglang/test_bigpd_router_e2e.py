@@ -27,7 +27,7 @@ from kllm_plugins.plugins.bigpd_router.config import RouterConfig
 from kllm_plugins.plugins.bigpd_router.core.registry import Health, Role
 from kllm_plugins.plugins.bigpd_router.core.request_shape import parse
 from kllm_plugins.plugins.bigpd_router.service.router import Router
-from kllm_plugins.testing.sglang_server import PORT_PLACEHOLDER, SGLangServer, start_all
+from kllm_plugins.testing.sglang_server import PD_CPU_ENV, PORT_PLACEHOLDER, SGLangServer, pd_cpu_args, start_all
 
 pytestmark = [pytest.mark.sglang, pytest.mark.e2e]
 
@@ -157,25 +157,21 @@ def mooncake_usable() -> str | None:
 
 def start_pd_pair(tiny_model_path: Path) -> list[SGLangServer]:
     """A prefill and a decode server that can swap roles, started and healthy."""
-    env = {"MOONCAKE_PROTOCOL": "tcp", "MC_FORCE_TCP": "1",
-           "KLLM_EXTRA_PLUGINS": "kllm_plugins.plugins.bigpd_router.hookimpls",
+    env = {**PD_CPU_ENV,
            # After a prefill -> decode /pd_role_switch, SGLang 0.5.23's idle invariant check on the
            # switched server reports the first transferred prompt's KV as leaked (150 tokens here;
            # seen 2026-11-30, also with the platform patch list off) and, strict by default, exits
            # the scheduler; whether that lands before or after the test's next request is timing.
            # Non-fatal here (a warning in the log); routing and greedy outputs are still asserted.
            "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "0"}
-    # both servers can take either role (the test swaps them with /pd_role_switch), so both get
-    # what either role needs on a CPU: the plugin's Mooncake shim and no overlap scheduling
-    # (prefill: overlap scheduling records torch.cuda events when a cached prefix is sent early),
-    # the cpu_tensor retraction backup (decode: the default host_pool pins memory through CUDA),
-    # and a bootstrap port each (a prefill serves one)
-    common = ["--disaggregation-transfer-backend", "mooncake", "--dtype", "float32", "--enable-pd-role-switch",
-              "--disable-overlap-schedule", "--disaggregation-decode-retraction-backup", "cpu_tensor"]
+    # both servers can take either role (the test swaps them with /pd_role_switch), so the prefill
+    # server also gets what a decode server needs on a CPU (`pd_cpu_args`): the cpu_tensor
+    # retraction backup
+    common = ["--dtype", "float32", "--enable-pd-role-switch"]
     prefill = SGLangServer(tiny_model_path, plugins=["bigpd_router"], env=env, max_total_tokens=4096, extra_args=[
-        *common, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", PORT_PLACEHOLDER])
+        *pd_cpu_args("prefill"), "--disaggregation-decode-retraction-backup", "cpu_tensor", *common])
     decode = SGLangServer(tiny_model_path, plugins=["bigpd_router"], env=env, max_total_tokens=4096, extra_args=[
-        *common, "--disaggregation-mode", "decode", "--disaggregation-bootstrap-port", PORT_PLACEHOLDER])
+        *pd_cpu_args("decode"), *common])
     start_all([prefill, decode])
     return [prefill, decode]
 
