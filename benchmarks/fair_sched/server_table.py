@@ -1,7 +1,8 @@
 """The policy grids' tables in docs/fair_sched.md, built from the recorded summaries: the
 real-server grid of `server_grid.py` (`benchmarks/results/fair_sched/server_<trace>_<chunk>.json`,
 one row per trace, chunk and load) and the GPU rows of `benchmarks/gpu/fair_sched_gpu.py`
-(`gpu_*.json`, one row per trace and chunk): fair_sched's ratio of seed means to the best stock
+(`gpu_*.json`, one row per trace and chunk; `pd_prefill_gpu_*.json` of its `--prefill-only` runs
+apart): fair_sched's ratio of seed means to the best stock
 policy (mean TTFT, short-prompt P90) and to fcfs (the rest), `*` on a missed target.
 
     python benchmarks/fair_sched/server_table.py           # print the table
@@ -25,6 +26,7 @@ from kllm_plugins.plugin_docs import replace_generated, rewrite_doc  # noqa: E40
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results" / "fair_sched"
 DOC = ROOT / "docs" / "fair_sched.md"
+PD_GPU = "pd_prefill_gpu_*.json"  # benchmarks/gpu/fair_sched_gpu.py --prefill-only
 STOCK = ("fcfs", "lpm", "shortest-prefill-first", "hrrn")
 SHORT = {"shortest-prefill-first": "SPF"}
 # (target key in the summary, column heading)
@@ -121,13 +123,15 @@ def exited_cell(policy: str, against: dict[str, Any] | None) -> str:
     return f"{policy} (fair_sched on its {n} seed{'s' if n > 1 else ''}: {figs})"
 
 
-def gpu_table(folder: Path = RESULTS) -> str:
-    """One row per trace and chunk of the GPU runs; stock servers that died are named."""
+def gpu_table(folder: Path = RESULTS, pattern: str = "gpu_*.json") -> str:
+    """One row per trace and chunk of the GPU runs; stock servers that died are named. `pattern`
+    `pd_prefill_gpu_*.json`: the runs of `--prefill-only` (the prefill side of a disaggregated
+    pair), whose TPOT is not measured ("-")."""
     head = ["| trace | chunk | load | requests | seeds | GPU | pass timing | best stock (mean) | "
             + " | ".join(h for _, h in COLUMNS) + " | TPOT vs fcfs: SPF / hrrn | stock servers that exited |",
             "|" + "---|" * (len(COLUMNS) + 10)]
     body: list[tuple[str, int, str, str]] = []
-    for path in sorted(folder.glob("gpu_*.json")):
+    for path in sorted(folder.glob(pattern)):
         d = json.loads(path.read_text(encoding="utf-8"))
         s = d["settings"]
         for key, cell in d["metrics"].items():
@@ -193,6 +197,7 @@ def render(doc_text: str, folder: Path = RESULTS) -> str:
     text = replace_generated(doc_text, "server-grid", table(folder), cmd, "docs/fair_sched.md")
     text = replace_generated(text, "server-grid-pd", table(folder, pd=True), cmd, "docs/fair_sched.md")
     text = replace_generated(text, "gpu-grid", gpu_table(folder), cmd, "docs/fair_sched.md")
+    text = replace_generated(text, "gpu-grid-pd", gpu_table(folder, PD_GPU), cmd, "docs/fair_sched.md")
     return replace_generated(text, "gpu-trade", trade_table(folder), cmd, "docs/fair_sched.md")
 
 
@@ -201,7 +206,8 @@ def main() -> int:
     ap.add_argument("--write", action="store_true", help="rewrite the table in docs/fair_sched.md")
     a = ap.parse_args()
     if not a.write:
-        sys.stdout.write(table() + "\n" + table(pd=True) + "\n" + gpu_table() + "\n" + trade_table())
+        sys.stdout.write(table() + "\n" + table(pd=True) + "\n" + gpu_table() + "\n" + gpu_table(pattern=PD_GPU) + "\n"
+                         + trade_table())
         return 0
     rewrite_doc(DOC, render)
     return 0

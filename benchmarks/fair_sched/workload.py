@@ -84,7 +84,8 @@ def summarize(outs: list[Outcome], wall_s: float, solo_long_s: Any) -> dict[str,
         "ttft_short_s": _dist([o.ttft_s for o in outs if o.kind == "short"]),
         "ttft_long_s": _dist([o.ttft_s for o in longs]),
         "ttft_short_during_long_s": {"n": len(hit), "mean": statistics.fmean(hit) if hit else float("nan")},
-        "tpot_s": {"mean": statistics.fmean(tpot), "p50": pct(tpot, 0.5), "p90": pct(tpot, 0.9)},
+        # NaN where nothing decodes (every output one token: the prefill side of a disaggregated pair)
+        "tpot_s": {"mean": statistics.fmean(tpot) if tpot else math.nan, "p50": pct(tpot, 0.5), "p90": pct(tpot, 0.9)},
         # end to end (arrival to last token) and its decode part: where a TTFT saving went
         "e2e_s": {"mean": statistics.fmean(o.latency_s for o in outs), "p99": pct([o.latency_s for o in outs], 0.99)},
         "decode_s": {"mean": statistics.fmean(o.latency_s - o.ttft_s for o in outs)},

@@ -18,6 +18,13 @@ checked against the same targets beside the defaults. `--mixed-chunk-stock POLIC
 servers with SGLang's `--enable-mixed-chunk` (`POLICY+mixed`), checked as candidates against the
 same targets; the baselines stay the stock policies without it, as issue 27 states them.
 
+`--prefill-only` ends every request at its first token (max_new_tokens 1), so no server ever runs a
+decode pass: the prefill server of a disaggregated pair (SGLang's `--disaggregation-mode prefill`
+hands a request off at its first token), less the KV transfer, which SGLang's prefill mode cannot
+skip (it refuses the `fake` backend) and the lent GPU machine has no Mooncake build for. TPOT is
+then the decode server's and not measured (NaN; nothing to miss); the CPU grid with both servers
+(`benchmarks/fair_sched/server_grid.py --pd`) measures it. CUDA graphs (decode only) are off.
+
 Five 8B-shaped servers need an H200 (141 GB); `--layers 16` fits them on an 80 GB H100.
 """
 from __future__ import annotations
@@ -46,8 +53,10 @@ GAUGES = ("decode_run_max", "timing_lag", "decode_step_ms")
 KEYS = ("ttft_s", "ttft_short_s", "ttft_long_s")
 
 
-def jobs_of(reqs: list[Any], rate: float, salt: str, trace_chunk: int, tag: str) -> list[Job]:
-    return [Job(f"{tag}-{i}", r.arrival_s / rate if rate > 0 else 0.0, prompt_ids(r, salt=salt), r.output_len,
+def jobs_of(reqs: list[Any], rate: float, salt: str, trace_chunk: int, tag: str, first_only: bool = False) -> list[Job]:
+    """The trace's requests as jobs; `first_only`: each ends at its first token (`--prefill-only`)."""
+    return [Job(f"{tag}-{i}", r.arrival_s / rate if rate > 0 else 0.0, prompt_ids(r, salt=salt),
+                1 if first_only else r.output_len,
                 "long" if r.input_len >= 8 * trace_chunk else "short") for i, r in enumerate(reqs)]
 
 
@@ -84,6 +93,8 @@ def main() -> int:
                     help="stock policies also run with --enable-mixed-chunk (POLICY+mixed), as candidates")
     ap.add_argument("--layers", type=int, default=0,
                     help="hidden layers of the 8B-width model (0: 32, the 8B shape); fewer fit five servers on an 80 GB card")
+    ap.add_argument("--prefill-only", action="store_true",
+                    help="every request ends at its first token: the prefill side of a disaggregated pair")
     ap.add_argument("--cpu-dry-run", action="store_true")
     ap.add_argument("--out")
     ap.add_argument("--recompute", nargs="+", default=[], metavar="FILE",
@@ -107,7 +118,8 @@ def main() -> int:
     res = header("benchmarks/gpu/fair_sched_gpu.py", "python " + " ".join(sys.argv), setup,
                  {"traces": a.traces, "variants": a.variant, "mixed_chunk_stock": a.mixed_chunk_stock, "layers": a.layers or 32, "trace_chunk": a.trace_chunk, "max_prompt": a.max_prompt, "requests": a.requests,
                   "load": loads[0] if len(loads) == 1 else loads, "seeds": a.seeds, "chunks": a.chunks, "policies": a.policies, "cal_requests": a.cal_requests,
-                  "pool_tokens": a.pool_tokens, "output_tokens": a.out_tokens,
+                  "pool_tokens": a.pool_tokens, "output_tokens": [1, 1] if a.prefill_only else a.out_tokens,
+                  "prefill_only": a.prefill_only,
                   "long": f">= 8 x {a.trace_chunk} prompt tokens"})
     res["runs"], res["calibration"] = [], {}
     from kllm_plugins.testing.sglang_server import start_all
@@ -127,7 +139,7 @@ def main() -> int:
             if setup.cpu:
                 env["SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"] = "1"
             servers[p] = setup.server(["fair_sched"] if ours else [], extra, env, a.pool_tokens,
-                                      a.mem_fraction, graphs=True, name=f"{p.replace('/', '-')}-{chunk}")
+                                      a.mem_fraction, graphs=not a.prefill_only, name=f"{p.replace('/', '-')}-{chunk}")
         try:
             t0 = time.perf_counter()
             start_all(list(servers.values()))
@@ -136,7 +148,7 @@ def main() -> int:
 
             def warm_up(kv: tuple[str, Any]) -> str | None:
                 try:
-                    run_jobs(kv[1].base_url, jobs_of(warm, 0.0, "warm", a.trace_chunk, "warm"))
+                    run_jobs(kv[1].base_url, jobs_of(warm, 0.0, "warm", a.trace_chunk, "warm", a.prefill_only))
                     return None
                 except Exception as exc:  # noqa: BLE001 - a server that dies here is recorded and left out
                     return repr(exc)[:500]
@@ -163,7 +175,7 @@ def main() -> int:
                 cal_reqs = make(trace, scale, a.cal_requests, 99)
                 flush(base)
                 t0 = time.perf_counter()
-                run_jobs(base.base_url, jobs_of(cal_reqs, 0.0, "cal", a.trace_chunk, "cal"))
+                run_jobs(base.base_url, jobs_of(cal_reqs, 0.0, "cal", a.trace_chunk, "cal", a.prefill_only))
                 capacity = a.cal_requests / (time.perf_counter() - t0)
                 res["calibration"][f"{trace}@{chunk}"] = {"capacity_req_s": capacity,
                                                           "solo_long_ttft_s": {str(k): v for k, v in solo.items()}}
@@ -196,7 +208,7 @@ def run_one(a: Any, res: dict[str, Any], srv: Any, p: str, trace: str, chunk: in
         flush(srv)
         before = fair_totals(srv, COUNTERS) if is_fair(p) else {}
         t0 = time.perf_counter()
-        outs = run_jobs(srv.base_url, jobs_of(reqs, rate, f"s{seed}", a.trace_chunk, f"{p}-{seed}"))
+        outs = run_jobs(srv.base_url, jobs_of(reqs, rate, f"s{seed}", a.trace_chunk, f"{p}-{seed}", a.prefill_only))
     except Exception as exc:  # noqa: BLE001 - recorded with the server's state; the others go on
         alive = (srv.proc is not None and srv.proc.poll() is None
                  and not srv.grep_log(r"Scheduler hit an exception|SIGQUIT received"))
