@@ -140,7 +140,7 @@ def gpu_table(folder: Path = RESULTS, pattern: str = "gpu_*.json") -> str:
             if "targets" not in cell:
                 continue
             gpu = gpu_label(d)
-            stock_tpot = " / ".join(f"{cell[p]['vs_fcfs']['tpot_s_mean']:.2f}" if "vs_fcfs" in cell.get(p, {}) else "-"
+            stock_tpot = " / ".join(f"{cell[p]['vs_fcfs']['tpot_s_mean']:.2f}" if "tpot_s_mean" in cell.get(p, {}).get("vs_fcfs", {}) else "-"
                                     for p in ("shortest-prefill-first", "hrrn"))
             # the driver's metrics name the servers that exited before the cell's last seed
             died = [exited_cell(q, cell.get("exited_stock", {}).get(q)) for q in cell.get("exited", [])]

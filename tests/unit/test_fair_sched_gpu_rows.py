@@ -165,3 +165,42 @@ def test_a_stock_policy_with_mixed_chunk_is_a_candidate_not_a_baseline(
     rows = [ln.split(" | ") for ln in st.gpu_table(tmp_path).splitlines()[2:]]
     assert [r[0] for r in rows] == ["| a", "| a, shortest-prefill-first+mixed (--enable-mixed-chunk)"]
     assert rows[1][6] == "-" and rows[1][8] == "0.75" and rows[1][12] == "1.25"  # no pass timing; met
+
+
+def test_prefill_only_runs_have_no_tpot_to_miss_and_only_their_own_table(
+        bench_module: Callable[[str, str], ModuleType], tmp_path: Path) -> None:
+    g = bench_module("gpu", "fair_sched_gpu")
+    st = bench_module("fair_sched", "server_table")
+    nan = float("nan")
+    runs = [_run("t", 2048, p, 0, m, 10.0, tpot=nan) for p, m in (("fcfs", 4.0), ("hrrn", 2.0), ("fair_sched", 1.5))]
+    m = g.metrics(runs)
+    t = m["t@2048"]["targets"]
+    assert t["tpot <= 1.3x fcfs"]["met"] and t["tpot <= 1.3x fcfs"]["value"] != t["tpot <= 1.3x fcfs"]["value"]
+    assert t["mean <= best stock"]["value"] == pytest.approx(0.75) and t["mean <= best stock"]["met"]
+    doc = {"settings": {"load": 0.8, "requests": 30, "prefill_only": True}, "machine": {"gpu": "NVIDIA H200"},
+           "metrics": m}
+    (tmp_path / "pd_prefill_gpu_t_2048.json").write_text(json.dumps(doc))
+    assert len(st.gpu_table(tmp_path).splitlines()) == 2  # the one-server table: header only
+    row = st.gpu_table(tmp_path, st.PD_GPU).splitlines()[2].split(" | ")
+    assert row[0] == "| t" and row[8] == "0.75" and row[12] == "-" and row[14] == "- / -"
+
+
+def test_prefill_only_jobs_end_at_their_first_token(bench_module: Callable[[str, str], ModuleType]) -> None:
+    g = bench_module("gpu", "fair_sched_gpu")
+    import traces as tr
+
+    reqs = tr.make("issue", tr.gpu_scale(2048, 40960, 32, 128), 6, 0)
+    assert {j.max_new_tokens for j in g.jobs_of(reqs, 1.0, "s", 2048, "x", True)} == {1}
+    assert [j.max_new_tokens for j in g.jobs_of(reqs, 1.0, "s", 2048, "x")] == [r.output_len for r in reqs]
+
+
+def test_a_run_where_nothing_decodes_has_tpot_nan_and_the_rest_summarized(
+        bench_module: Callable[[str, str], ModuleType]) -> None:
+    bench_module("gpu", "fair_sched_gpu")  # puts benchmarks/fair_sched on the path
+    import serving
+    import workload
+
+    outs = [serving.Outcome(f"r{i}", "short", 64, 0.1 * i, 0.2 + i, 0.2 + i, 1, [7], "length") for i in range(4)]
+    s = workload.summarize(outs, 2.0, lambda n: 1.0)
+    assert s["tpot_s"]["mean"] != s["tpot_s"]["mean"]
+    assert s["ttft_s"]["mean"] == pytest.approx(1.7) and s["throughput_req_s"] == pytest.approx(2.0)
