@@ -102,9 +102,15 @@ def _means(jobs: list[Any], rate: float, chunk: int, policy: str, env: tuple[str
     """Seed means of `keys` (`sim_engine.summary`'s) for one policy: a stock order on the plain clock
     (`env` None), or fair_sched with options `env` reading it as under the overlap scheduler with its
     one-pass lag, as on the GPU."""
-    rows = seed_runs(jobs, rate, chunk, cm, 8 * TRACE_CHUNK - 1, policy, list(env or ()),
-                     overlap=env is not None, lag=1, pool=POOL)
+    rows = seed_rows(jobs, rate, chunk, policy, env, cm)
     return {k: statistics.fmean(r[k] for r in rows) for k in keys}
+
+
+def seed_rows(jobs: list[Any], rate: float, chunk: int, policy: str, env: tuple[str, ...] | None,
+              cm: se.Costs = se.COSTS["h100_8l"]) -> list[dict[str, float]]:
+    """Each seed's `sim_engine.summary` for one policy, set up as `_means` says."""
+    return seed_runs(jobs, rate, chunk, cm, 8 * TRACE_CHUNK - 1, policy, list(env or ()),
+                     overlap=env is not None, lag=1, pool=POOL)
 
 
 def _checked(name: str, m: dict[str, float], stock: dict[str, dict[str, float]]) -> dict[str, Any]:
