@@ -102,7 +102,10 @@ def _means(jobs: list[Any], rate: float, chunk: int, policy: str, env: tuple[str
     """Seed means of `keys` (`sim_engine.summary`'s) for one policy: a stock order on the plain clock
     (`env` None), or fair_sched with options `env` reading it as under the overlap scheduler with its
     one-pass lag, as on the GPU."""
-    rows = seed_rows(jobs, rate, chunk, policy, env, cm)
+    return seed_means(seed_rows(jobs, rate, chunk, policy, env, cm), keys)
+
+
+def seed_means(rows: list[dict[str, float]], keys: tuple[str, ...] = grid.METRICS) -> dict[str, float]:
     return {k: statistics.fmean(r[k] for r in rows) for k in keys}
 
 
@@ -122,18 +125,23 @@ def _checked(name: str, m: dict[str, float], stock: dict[str, dict[str, float]])
 def baselines(trace: str, chunk: int, load: float, seeds: int, cm: se.Costs = se.COSTS["h100_8l"],
               keys: tuple[str, ...] = grid.METRICS, prefill_only: bool = False,
               ) -> tuple[float, float, list[Any], dict[str, dict[str, float]]]:
-    """One cell as the GPU grid ran it: the fcfs capacity (a burst of the trace), the rate at
-    `load` of it, the seeds' requests and the stock orders' seed means of `keys`. `prefill_only`:
-    the prefill server of a disaggregated pair, which hands each request off at its first token
-    (every output is one token: no decode pass runs)."""
+    """One cell as the GPU grid ran it (`cell_jobs`) and the stock orders' seed means of `keys`."""
+    cap, rate, jobs = cell_jobs(trace, chunk, load, seeds, cm, prefill_only)
+    return cap, rate, jobs, {p: _means(jobs, rate, chunk, p, None, cm, keys) for p in STOCK}
+
+
+def cell_jobs(trace: str, chunk: int, load: float, seeds: int, cm: se.Costs = se.COSTS["h100_8l"],
+              prefill_only: bool = False) -> tuple[float, float, list[Any]]:
+    """The fcfs capacity (a burst of the trace), the rate at `load` of it and the seeds' requests.
+    `prefill_only`: the prefill server of a disaggregated pair, which hands each request off at its
+    first token (every output is one token: no decode pass runs)."""
     scale = tr.gpu_scale(TRACE_CHUNK, MAX_PROMPT, *OUTPUTS)
 
     def make(n: int, seed: int) -> list[Any]:
         reqs = tr.make(trace, scale, n, seed)
         return [dataclasses.replace(r, output_len=1) for r in reqs] if prefill_only else reqs
     cap = se.capacity(make(CAL_REQUESTS, 99), chunk, cm, pool_tokens=POOL)
-    rate, jobs = load * cap, [make(30, seed) for seed in range(seeds)]
-    return cap, rate, jobs, {p: _means(jobs, rate, chunk, p, None, cm, keys) for p in STOCK}
+    return cap, load * cap, [make(30, seed) for seed in range(seeds)]
 
 
 def cell(args: tuple[str, int, float, int]) -> dict[str, Any]:

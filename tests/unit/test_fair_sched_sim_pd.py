@@ -46,10 +46,11 @@ def test_the_cell_checks_every_target_but_tpot_and_the_table_marks_the_cells_met
 def test_the_p99_miss_chance_counts_the_3_seed_subsets_above_fcfs(
         pd: ModuleType, bench_module: Callable[[str, str], ModuleType]) -> None:
     sf = bench_module("fair_sched", "sim_frontier")
-    _, rate, jobs, _ = sf.baselines("lognormal", 2048, 0.6, 4, prefill_only=True)
-    got = pd.p99_miss_chance(jobs, rate, 2048)
-    p99 = {p: [r["p99"] for r in sf.seed_rows(jobs, rate, 2048, p, env)]
-           for p, env in (("fcfs", None), ("fair_sched", ()))}
+    _, rate, jobs = sf.cell_jobs("lognormal", 2048, 0.6, 4, prefill_only=True)
+    rows = {p: sf.seed_rows(jobs, rate, 2048, p, env)
+            for p, env in (("fcfs", None), ("shortest-prefill-first", None), ("fair_sched", ()))}
+    got = pd.p99_miss_chance(rows)
+    p99 = {p: [r["p99"] for r in rows[p]] for p in ("fcfs", "fair_sched")}
     subsets = [(0, 1, 2), (0, 1, 3), (0, 2, 3), (1, 2, 3)]
     above = [sum(p99["fair_sched"][i] for i in s) > sum(p99["fcfs"][i] for i in s) for s in subsets]
     assert got["fair_sched"] == pytest.approx(sum(above) / 4, abs=1e-3)
