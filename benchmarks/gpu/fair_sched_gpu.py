@@ -19,7 +19,9 @@ servers with SGLang's `--enable-mixed-chunk` (`POLICY+mixed`), checked as candid
 same targets; the baselines stay the stock policies without it, as issue 27 states them.
 
 `--prefill-only` ends every request at its first token (max_new_tokens 1), so no server runs a
-decode pass of its own (fair_sched's decode spacing off: `PREFILL_SERVER_ENV`): the prefill server
+decode pass of its own (fair_sched with its defaults: its adapter counts no request whose only token
+is its prefill's as decoding; the runs recorded on 2026-12-07 predate that and stepped aside for a
+decode 8-27 times a cell): the prefill server
 of a disaggregated pair (SGLang's `--disaggregation-mode prefill` hands a request off at its first
 token), less the KV transfer: SGLang's prefill mode refuses its `fake` transfer backend, and the
 GPU pack (scripts/gpu/pack.sh) carries no Mooncake build. TPOT is then the decode server's and
@@ -52,14 +54,6 @@ COUNTERS = ("yields_to_short", "yields_to_decode", "limited_passes", "long_start
             "chunks_cut_for_kv", "chunks_parked_for_kv", "waiting_prefill_s", "waiting_decode_s")
 GAUGES = ("decode_run_max", "timing_lag", "decode_step_ms")
 KEYS = ("ttft_s", "ttft_short_s", "ttft_long_s")
-PREFILL_SERVER_ENV = {"KLLM_FAIR_SCHED_DECODE_SHARE": "0"}
-"""fair_sched under `--prefill-only`: no decode steps of its own. A real prefill server has no running
-requests, so its decode spacing never fires there; on this stand-in the running batch can still hold
-requests whose only token is not yet processed (SGLang merges a prefill's requests before its
-result finishes them), and fair_sched would step aside for a decode that the stock orders never
-take (runs recorded before 2026-12-08 did: `yields_to_decode` 8-27 a cell)."""
-
-
 def jobs_of(reqs: list[Any], rate: float, salt: str, trace_chunk: int, tag: str, first_only: bool = False) -> list[Job]:
     """The trace's requests as jobs; `first_only`: each ends at its first token (`--prefill-only`)."""
     return [Job(f"{tag}-{i}", r.arrival_s / rate if rate > 0 else 0.0, prompt_ids(r, salt=salt),
@@ -126,7 +120,7 @@ def main() -> int:
                  {"traces": a.traces, "variants": a.variant, "mixed_chunk_stock": a.mixed_chunk_stock, "layers": a.layers or 32, "trace_chunk": a.trace_chunk, "max_prompt": a.max_prompt, "requests": a.requests,
                   "load": loads[0] if len(loads) == 1 else loads, "seeds": a.seeds, "chunks": a.chunks, "policies": a.policies, "cal_requests": a.cal_requests,
                   "pool_tokens": a.pool_tokens, "output_tokens": [1, 1] if a.prefill_only else a.out_tokens,
-                  "prefill_only": a.prefill_only, **({"prefill_server_env": PREFILL_SERVER_ENV} if a.prefill_only else {}),
+                  "prefill_only": a.prefill_only,
                   "long": f">= 8 x {a.trace_chunk} prompt tokens"})
     res["runs"], res["calibration"] = [], {}
     from kllm_plugins.testing.sglang_server import start_all
@@ -142,8 +136,7 @@ def main() -> int:
                 extra.append("--enable-mixed-chunk")
             if setup.cpu:
                 extra += ["--context-length", str(a.max_prompt + 1024)]
-            env = {"KLLM_FAIR_SCHED_PUBLISH_INTERVAL_S": "0.1", **(PREFILL_SERVER_ENV if a.prefill_only else {}),
-                   **variants.get(p, {})} if ours else {}
+            env = {"KLLM_FAIR_SCHED_PUBLISH_INTERVAL_S": "0.1", **variants.get(p, {})} if ours else {}
             if setup.cpu:
                 env["SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"] = "1"
             servers[p] = setup.server(["fair_sched"] if ours else [], extra, env, a.pool_tokens,

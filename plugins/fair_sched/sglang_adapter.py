@@ -217,7 +217,7 @@ def around_get_new_batch_prefill_raw(original: Callable[..., Any], self: Any, *a
     if not st.admit and cr is None:
         st.publish(bool(self.waiting_queue))
         return None, running_batch
-    running_reqs = sum(1 for r in running_batch.reqs if not r.finished()) if running_batch is not None else 0
+    running_reqs = sum(1 for r in running_batch.reqs if _will_decode(r)) if running_batch is not None else 0
     decode_running = running_reqs > 0
     mixing = bool(getattr(self, "is_mixed_chunk", False))
     # Decode rows riding along a mixed pass take one budget token each (PrefillAdder does the same).
@@ -279,6 +279,18 @@ def around_get_new_batch_prefill_raw(original: Callable[..., Any], self: Any, *a
             st.long_limit = None
             st.extra_tokens = 0
     return _after_pass(st, self, pol, result, decode_running, now, plan)
+
+
+def _will_decode(req: Any) -> bool:
+    """Whether a request of the running batch still needs a decode step. One whose whole output is
+    its prefill's token (max_new_tokens 1: scoring calls, the prefill side of a disaggregated pair)
+    never does; it can sit unfinished in the running batch while that prefill's result is pending
+    (overlap scheduling), with no output token yet. A pending decode token is not counted: that
+    over-counts a request by its last step at most."""
+    if req.finished():
+        return False
+    limit = getattr(req.sampling_params, "max_new_tokens", None)
+    return limit is None or limit > max(len(req.output_ids), 1)
 
 
 def _after_pass(st: _State, self: Any, pol: FairPolicy, result: Any, decode_running: bool, now: float, plan: Any) -> Any:

@@ -274,6 +274,16 @@ def test_pass_planner_yields_by_detaching_the_chunked_request(env: SimpleNamespa
     assert out == (None, busy) and len(seen) == calls + 1
     assert st.counters["yields_to_decode"] == 2
 
+    # Requests whose only token is their prefill's (max_new_tokens 1, result still pending, as
+    # under overlap scheduling) never decode: no decode step is planned for them.
+    st.policy.note_prefill()
+    prefill_only = [make_req(env, f"p{i}", 10, 5.0) for i in range(3)]
+    for r in prefill_only:
+        r.sampling_params.max_new_tokens = 1
+    done_prefill = env.ScheduleBatch(reqs=prefill_only, batch_is_full=False)
+    adapter.around_get_new_batch_prefill_raw(original, sched, prefill_delayer_single_pass=None, running_batch=done_prefill)
+    assert len(seen) == calls + 2 and st.counters["yields_to_decode"] == 2
+
 
 def test_riding_pass_keeps_the_long_chunk_whole_and_admits_the_short_beside_it(env: SimpleNamespace, adapter: Any) -> None:
     from kllm_plugins.plugins.fair_sched.config import FairSchedConfig

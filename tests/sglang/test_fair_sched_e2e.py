@@ -322,3 +322,29 @@ def test_rounds_sglang_decodes_under_prefill_decode_interval_are_seen_as_decode_
         assert snap["interval_decode_rounds"] >= 5, snap
         assert snap["yields_to_decode"] == 0 and snap["decode_step_ms"] > 0, snap
         assert not fair.grep_log(r"Scheduler hit an exception|Traceback")
+
+
+def test_requests_that_end_at_their_first_token_get_no_decode_steps() -> None:
+    """Requests with max_new_tokens 1 (the prefill side of a disaggregated pair, scoring calls)
+    sit in SGLang's running batch until their prefill's result is processed, but never decode:
+    fair_sched plans no decode step for them while prompts wait; outputs equal stock's."""
+    pytest.importorskip("sglang")
+    from serving import Job, sglang_server
+
+    from kllm_plugins.models.tiny_llama import tiny_llama_path
+
+    model = str(tiny_llama_path())
+    args = ["--chunked-prefill-size", "128", "--schedule-policy", "fcfs", "--dtype", "float32"]
+    rng = random.Random(3)
+    ids = lambda n: [rng.randrange(5, 4090) for _ in range(n)]  # noqa: E731
+    jobs = [Job("long", 0.0, ids(2000), 1, "long"),
+            *(Job(f"short{i}", 0.05 * i, ids(rng.randint(30, 300)), 1, "short") for i in range(20))]
+    ref = _stock_outputs(model, args, jobs)
+    env = {"KLLM_FAIR_SCHED_PUBLISH_INTERVAL_S": "0.1"}
+    with sglang_server(model, plugins=["fair_sched"], extra_args=args, env=env) as fair:
+        before = _stats(fair)  # the server's warm-up request decodes
+        _same_outputs(fair, jobs, ref)
+        snap = _wait_stats(fair, "long_finished", before["long_finished"] + 1)
+        assert snap["passes"] > before["passes"] + 10, snap
+        assert snap["yields_to_decode"] == before["yields_to_decode"], (before, snap)
+        assert not fair.grep_log(r"Scheduler hit an exception|Traceback")
