@@ -11,7 +11,7 @@ import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 
@@ -34,6 +34,16 @@ def _jobs() -> list[Any]:
         n = rng.randint(20, 60)
         jobs.append(Job(f"short{i}", 0.05 + 0.1 * i, [rng.randrange(5, 4090) for _ in range(n)], 8, "short"))
     return jobs
+
+
+def _tiny_fcfs(chunk: int, seed: int, *extra: str) -> tuple[str, list[str], random.Random, Callable[[int], list[int]]]:
+    """The tiny model, a stock fcfs server's arguments at `chunk` (float32: outputs compare
+    token for token), a seeded generator and prompt ids drawn from it."""
+    from kllm_plugins.models.tiny_llama import tiny_llama_path
+
+    rng = random.Random(seed)
+    args = ["--chunked-prefill-size", str(chunk), "--schedule-policy", "fcfs", "--dtype", "float32", *extra]
+    return str(tiny_llama_path()), args, rng, lambda n: [rng.randrange(5, 4090) for _ in range(n)]
 
 
 def _stats(server: Any) -> dict[str, Any]:
@@ -216,12 +226,7 @@ def test_several_partial_prefills_let_a_medium_prompt_past_a_long_one() -> None:
     pytest.importorskip("sglang")
     from serving import Job, sglang_server
 
-    from kllm_plugins.models.tiny_llama import tiny_llama_path
-
-    model = str(tiny_llama_path())
-    args = ["--chunked-prefill-size", "64", "--schedule-policy", "fcfs", "--dtype", "float32"]
-    rng = random.Random(11)
-    ids = lambda n: [rng.randrange(5, 4090) for _ in range(n)]  # noqa: E731
+    model, args, _, ids = _tiny_fcfs(64, 11)
     jobs = [Job("long", 0.0, ids(4000), 4, "long"), Job("medium", 0.15, ids(400), 4, "short"),
             Job("short", 0.2, ids(40), 4, "short")]
     ref = _stock_outputs(model, args, jobs)
@@ -273,12 +278,7 @@ def test_decode_time_share_decodes_several_steps_in_a_row_while_a_long_prompt_pr
     pytest.importorskip("sglang")
     from serving import Job, sglang_server
 
-    from kllm_plugins.models.tiny_llama import tiny_llama_path
-
-    model = str(tiny_llama_path())
-    args = ["--chunked-prefill-size", "64", "--schedule-policy", "fcfs", "--dtype", "float32"]
-    rng = random.Random(5)
-    ids = lambda n: [rng.randrange(5, 4090) for _ in range(n)]  # noqa: E731
+    model, args, _, ids = _tiny_fcfs(64, 5)
     jobs = [Job("long", 0.0, ids(4000), 4, "long"),
             *(Job(f"short{i}", 0.05 + 0.05 * i, ids(40), 24, "short") for i in range(4))]
     ref = _stock_outputs(model, args, jobs)
@@ -305,13 +305,7 @@ def test_rounds_sglang_decodes_under_prefill_decode_interval_are_seen_as_decode_
     pytest.importorskip("sglang")
     from serving import Job, sglang_server
 
-    from kllm_plugins.models.tiny_llama import tiny_llama_path
-
-    model = str(tiny_llama_path())
-    args = ["--chunked-prefill-size", "64", "--schedule-policy", "fcfs", "--dtype", "float32",
-            "--prefill-decode-interval", "1"]
-    rng = random.Random(11)
-    ids = lambda n: [rng.randrange(5, 4090) for _ in range(n)]  # noqa: E731
+    model, args, _, ids = _tiny_fcfs(64, 11, "--prefill-decode-interval", "1")
     jobs = [Job("long", 0.0, ids(2000), 4, "long"),
             *(Job(f"short{i}", 0.05 + 0.05 * i, ids(40), 16, "short") for i in range(3))]
     ref = _stock_outputs(model, args, jobs)
@@ -331,12 +325,7 @@ def test_requests_that_end_at_their_first_token_get_no_decode_steps() -> None:
     pytest.importorskip("sglang")
     from serving import Job, sglang_server
 
-    from kllm_plugins.models.tiny_llama import tiny_llama_path
-
-    model = str(tiny_llama_path())
-    args = ["--chunked-prefill-size", "128", "--schedule-policy", "fcfs", "--dtype", "float32"]
-    rng = random.Random(3)
-    ids = lambda n: [rng.randrange(5, 4090) for _ in range(n)]  # noqa: E731
+    model, args, rng, ids = _tiny_fcfs(128, 3)
     jobs = [Job("long", 0.0, ids(2000), 1, "long"),
             *(Job(f"short{i}", 0.05 * i, ids(rng.randint(30, 300)), 1, "short") for i in range(20))]
     ref = _stock_outputs(model, args, jobs)
