@@ -19,10 +19,9 @@ servers with SGLang's `--enable-mixed-chunk` (`POLICY+mixed`), checked as candid
 same targets; the baselines stay the stock policies without it, as issue 27 states them.
 
 `--prefill-only` ends every request at its first token (max_new_tokens 1), so no server runs a
-decode pass of its own (fair_sched with its defaults: its adapter counts no request whose only token
-is its prefill's as decoding; the runs recorded on 2026-12-07 predate that and stepped aside for a
-decode 8-27 times a cell): the prefill server
-of a disaggregated pair (SGLang's `--disaggregation-mode prefill` hands a request off at its first
+decode pass of its own (fair_sched with its defaults: its adapter counts no request whose only
+token is its prefill's as decoding; the H200 runs recorded on 2026-12-07 predate that and stepped
+aside for a decode 8-27 times a cell): the prefill server of a disaggregated pair (SGLang's `--disaggregation-mode prefill` hands a request off at its first
 token), less the KV transfer: SGLang's prefill mode refuses its `fake` transfer backend, and the
 GPU pack (scripts/gpu/pack.sh) carries no Mooncake build. TPOT is then the decode server's and
 not measured (NaN; nothing to miss); the CPU grid with both servers (`benchmarks/fair_sched/
