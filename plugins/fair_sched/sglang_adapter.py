@@ -217,7 +217,7 @@ def around_get_new_batch_prefill_raw(original: Callable[..., Any], self: Any, *a
     if not st.admit and cr is None:
         st.publish(bool(self.waiting_queue))
         return None, running_batch
-    running_reqs = sum(1 for r in running_batch.reqs if _will_decode(r)) if running_batch is not None else 0
+    running_reqs = decoding_rows(running_batch)
     decode_running = running_reqs > 0
     mixing = bool(getattr(self, "is_mixed_chunk", False))
     # Decode rows riding along a mixed pass take one budget token each (PrefillAdder does the same).
@@ -281,16 +281,20 @@ def around_get_new_batch_prefill_raw(original: Callable[..., Any], self: Any, *a
     return _after_pass(st, self, pol, result, decode_running, now, plan)
 
 
-def _will_decode(req: Any) -> bool:
-    """Whether a request of the running batch still needs a decode step. One whose whole output is
-    its prefill's token (max_new_tokens 1: scoring calls, the prefill side of a disaggregated pair)
-    never does; it can sit unfinished in the running batch while that prefill's result is pending
-    (overlap scheduling), with no output token yet. A pending decode token is not counted: that
+def decoding_rows(batch: Any) -> int:
+    """How many requests of the running batch still need a decode step (the pass planner's decode
+    spacing, the chunk guard's KV reserve). One whose whole output is its prefill's token
+    (max_new_tokens 1: scoring calls, the prefill side of a disaggregated pair) never does; it can
+    sit unfinished in the running batch while that prefill's result is pending (overlap
+    scheduling), with no output token yet. A pending decode token is not counted: that
     over-counts a request by its last step at most."""
-    if req.finished():
-        return False
-    limit = getattr(req.sampling_params, "max_new_tokens", None)
-    return limit is None or limit > max(len(req.output_ids), 1)
+    if batch is None:
+        return 0
+    n = 0
+    for r in batch.reqs:
+        limit = getattr(r.sampling_params, "max_new_tokens", None)
+        n += not r.finished() and (limit is None or limit > max(len(r.output_ids), 1))
+    return n
 
 
 def _after_pass(st: _State, self: Any, pol: FairPolicy, result: Any, decode_running: bool, now: float, plan: Any) -> Any:
@@ -419,9 +423,8 @@ def _fair_adder(base: type) -> type:
             left = budget.remaining_total
             if left > 0:  # budget left: SGLang's own min(chunk, budget) fits the free KV
                 return super().add_chunked_req(req)
-            rows = len(self.running_batch.reqs) if self.running_batch is not None else 0
             n = continuation_tokens(self.rem_chunk_tokens, left, budget._available_and_evictable(), self.page_size,
-                                    decode_reserve=rows * st.cfg.chunk_guard_decode_steps)
+                                    decode_reserve=decoding_rows(self.running_batch) * st.cfg.chunk_guard_decode_steps)
             if n is None:
                 if self.running_batch is None or self.running_batch.is_empty():
                     return super().add_chunked_req(req)  # nothing will free KV: SGLang's own answer

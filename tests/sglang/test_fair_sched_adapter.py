@@ -164,6 +164,16 @@ def test_chunk_guard_cuts_or_parks_a_continuation_the_free_kv_cannot_hold(env: S
         assert r2.extend_end - r2.prefix_len == 90
         assert adapter._state.counters["chunks_cut_for_kv"] == 1
 
+        # A running request whose only token is its prefill's (result pending) needs no decode
+        # headroom: the same cut, not 8 more tokens off it.
+        pending = make_req(env, "prefill-only", 10, 0.0)
+        pending.sampling_params.max_new_tokens = 1
+        ours = fair_cls(1, env.cache, alloc, env.ScheduleBatch(reqs=[dec, pending], batch_is_full=False), 0.5, 8192, 128)
+        r2b = make_req(env, "fair-cont-2", 500, 0.0)
+        r2b.init_next_round_input(env.cache)
+        assert ours.add_chunked_req(r2b) is r2b and r2b.extend_end - r2b.prefix_len == 90
+        assert adapter._state.counters["chunks_cut_for_kv"] == 2
+
         held.append(alloc.alloc(alloc.available_size() - 2))  # not one page beyond the slack
         ours = adder(fair_cls)
         r3 = make_req(env, "fair-parked", 500, 0.0)
